@@ -1,0 +1,123 @@
+"""The GYM environment interface, its registry, plugin loading and dataset loading.
+
+Implements the section "Gym 接口" of the GYM-env document (../shared/seed/...), plus the
+registration step ("3. 注册") and the dataset step ("4. 准备数据集") of its FrozenLake example.
+
+1. An environment subclasses `Env` and implements three coroutines:
+   `reset(config) -> (observation, info, system_message)`,
+   `step(messages) -> (next_observation, reward, done, info)` and `close()`.
+2. It registers itself with `envs['name'] = MyEnv`, at import time of its file.
+3. `--external_plugins my_env.py` imports that file by path, so the registration takes effect.
+4. Each dataset row carries `env_config`; `env_config['name']`, when present, picks the env for
+   that row and overrides `--gym_env`.
+
+The names and signatures match ms-swift's `swift.rollout.gym_env`, so an env written for
+ms-swift runs here after changing only its imports, e.g.
+    from swift.rollout.gym_env import Env, envs      ->  from env import Env, envs
+    from swift.infer_engine.protocol import RolloutInferRequest  ->  from env import RolloutInferRequest
+    from swift.template import Messages              ->  from env import Messages
+
+Left out: ms-swift's example `math_env` and its token counting; env vectorisation (one env
+object per trajectory is simpler to read and is what the document describes).
+"""
+import importlib.util
+import json
+import sys
+import uuid
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Tuple, Type
+
+Messages = List[Dict[str, Any]]  # [{'role': 'system'|'user'|'assistant', 'content': str}, ...]
+
+
+class UserError(Exception):
+    """Bad input from the user (a flag, a file, a row). train.py prints it as one line."""
+
+
+@dataclass
+class RolloutInferRequest:
+    """One trajectory's request, as `Env.reset` receives it.
+
+    messages:  the conversation so far (the dataset row's `messages` at the start)
+    data_dict: the row's other columns, e.g. {'env_config': {'seed': 3}}
+    uuid:      unique per trajectory (the members of a GRPO group share data_dict, not uuid)
+    """
+    messages: Messages
+    data_dict: Dict[str, Any] = field(default_factory=dict)
+    uuid: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+class Env(ABC):
+    """A multi-turn environment: one object per trajectory, created with the row's env_config."""
+
+    def __init__(self, env_config):
+        """env_config comes from the dataset row's `env_config` column."""
+        self.env_config = env_config
+
+    @abstractmethod
+    async def reset(self, config: RolloutInferRequest) -> Tuple[str, Dict[str, Any], str]:
+        """Returns (observation: the first user message, info: logged, system_message)."""
+
+    @abstractmethod
+    async def step(self, action: Messages) -> Tuple[str, float, bool, Dict[str, Any]]:
+        """`action` is the whole conversation so far; its last message is the model's newest reply.
+
+        Returns (next_observation: the next user message, reward: this step's reward,
+        done: whether the trajectory is over, info: logged)."""
+
+    @abstractmethod
+    async def close(self):
+        """Release resources. Called exactly once per env, however its trajectory ended."""
+
+
+envs: Dict[str, Type[Env]] = {}
+
+
+def load_plugins(paths: List[str]) -> None:
+    """Import each plugin file by path; its `envs['x'] = X` lines register its envs."""
+    for path in paths:
+        spec = importlib.util.spec_from_file_location(f'plugin_{len(sys.modules)}', path)
+        if spec is None or not path.endswith('.py'):
+            raise UserError(f'--external_plugins {path}: not a .py file')
+        module = importlib.util.module_from_spec(spec)
+        try:
+            spec.loader.exec_module(module)
+        except FileNotFoundError:
+            raise UserError(f'--external_plugins {path}: no such file') from None
+        except Exception as e:
+            raise UserError(f'--external_plugins {path}: import failed: {type(e).__name__}: {e}') from e
+
+
+def env_name(row: Dict[str, Any], gym_env: str = None) -> str:
+    """The env for a row: `env_config.name` when present, else the global --gym_env."""
+    return row['env_config'].get('name') or gym_env
+
+
+def load_dataset(path: str, gym_env: str = None) -> List[Dict[str, Any]]:
+    """Read a JSONL dataset; every row must have `messages` and an `env_config` naming a known env."""
+    rows = []
+    try:
+        lines = open(path, encoding='utf-8').read().splitlines()
+    except OSError as e:
+        raise UserError(f'--dataset {path}: {e.strerror}') from None
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f'{path}:{i}'
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f'{where}: malformed JSON ({e.msg})') from None
+        if not isinstance(row, dict) or not isinstance(row.get('env_config'), dict):
+            raise UserError(f'{where}: the row has no env_config object')
+        if not isinstance(row.get('messages', []), list):
+            raise UserError(f'{where}: messages must be a list')
+        name = env_name(row, gym_env)
+        if name not in envs:
+            got = f'env {name!r} is not registered' if name else 'no env: set --gym_env or env_config.name'
+            raise UserError(f'{where}: {got}; registered: {", ".join(sorted(envs)) or "none"}')
+        rows.append(row)
+    if not rows:
+        raise UserError(f'--dataset {path}: no rows')
+    return rows

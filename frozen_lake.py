@@ -1,0 +1,139 @@
+"""FrozenLake as a text environment: the document's worked example ("示例：从零写一个 FrozenLake 环境").
+
+1. `generate_random_map(size, p, seed)`: every cell is safe ice with probability p, else a hole;
+   S and G go to random distinct cells; redraw until G is reachable from S (BFS). A seed always
+   gives the same map, on every machine (Python's `random.Random` is specified to be portable).
+2. `reset` renders the grid in ASCII (S start, G goal, H hole, F ice, P the player) and returns it
+   as the first user message, with SYSTEM_PROMPT as the system message.
+3. `step` reads one move from the model's latest reply (see `parse_action`), moves one cell (a move
+   off the grid leaves the player in place, as in Gymnasium), and returns:
+   G -> reward 1.0, done, status 'goal';  H -> reward 0.0, done, status 'hole';
+   ice -> reward 0.0, not done, status 'ok';  no readable move -> reward 0.0, not done,
+   status 'invalid', and the observation restates the format and the grid.
+   The turn limit is not the env's business: the scheduler's --max_turns ends the trajectory.
+
+env_config keys: `size` (4), `p` (0.8), `seed` (None = a fresh random map each reset);
+`name` is read by the scheduler, not here.
+
+The dynamics equal Gymnasium's `FrozenLake-v1(desc=..., is_slippery=False)`; test_all.py checks
+that step by step. Left out: slippery ice, and ms-swift's fallback that takes the *last* direction
+word of an untagged reply (it rewards a model that lists every direction; see parse_action).
+"""
+import random
+import re
+from collections import deque
+from typing import List, Optional
+
+from env import Env, Messages, RolloutInferRequest, envs
+
+MOVES = {'left': (0, -1), 'down': (1, 0), 'right': (0, 1), 'up': (-1, 0)}  # (d_row, d_col)
+
+SYSTEM_PROMPT = (
+    'You are playing FrozenLake on a grid. P is you, G is the goal, H is a hole, F is safe ice, '
+    'S is the start.\n'
+    'Each turn, move one cell: up, down, left or right. Reach G to win. Falling into H loses. '
+    'Moving off the grid leaves you where you are.\n'
+    'Reply with your move inside action tags and nothing else, for example: <action>down</action>')
+
+_TAG = re.compile(r'<action>\s*(\w+)\s*</action>', re.IGNORECASE)
+_WORD = re.compile(r'\b(up|down|left|right)\b', re.IGNORECASE)
+
+
+def shortest_path(grid: List[str]) -> Optional[List[str]]:
+    """BFS from S to G around the holes: the list of moves, or None when G is unreachable."""
+    size = len(grid)
+    start = next((r, c) for r in range(size) for c in range(size) if grid[r][c] == 'S')
+    parent = {start: None}
+    queue = deque([start])
+    while queue:
+        r, c = queue.popleft()
+        if grid[r][c] == 'G':
+            path, cell = [], (r, c)
+            while parent[cell] is not None:
+                cell, move = parent[cell]
+                path.append(move)
+            return path[::-1]
+        for move, (dr, dc) in MOVES.items():
+            nxt = (r + dr, c + dc)
+            if 0 <= nxt[0] < size and 0 <= nxt[1] < size and nxt not in parent and grid[nxt[0]][nxt[1]] != 'H':
+                parent[nxt] = ((r, c), move)
+                queue.append(nxt)
+    return None
+
+
+def generate_random_map(size: int = 4, p: float = 0.8, seed: Optional[int] = None) -> List[str]:
+    """A solvable size x size map as a list of strings over S/G/H/F; p = P(safe ice)."""
+    rng = random.Random(seed)
+    while True:
+        cells = [['F' if rng.random() < p else 'H' for _ in range(size)] for _ in range(size)]
+        start, goal = rng.sample(range(size * size), 2)  # two distinct cells
+        cells[start // size][start % size] = 'S'
+        cells[goal // size][goal % size] = 'G'
+        grid = [''.join(row) for row in cells]
+        if shortest_path(grid) is not None:
+            return grid
+
+
+def render(grid: List[str], row: int, col: int) -> str:
+    """The grid as text, one row a line, cells separated by spaces, P where the player stands."""
+    lines = []
+    for r, line in enumerate(grid):
+        cells = list(line)
+        if r == row:
+            cells[col] = 'P'
+        lines.append(' '.join(cells))
+    return '\n'.join(lines)
+
+
+def parse_action(reply: str) -> Optional[str]:
+    """The one move a reply names, or None.
+
+    - `<action>x</action>` tags take precedence: all tags must name the same valid move;
+    - with no tag, the reply must name exactly one direction word ('I go down.' -> 'down');
+    - anything else is invalid: no move, an unknown word in a tag, or several different moves
+      ('up or down' -> None), so a model cannot win by listing every direction.
+    Other words around the move are allowed; the `format` reward in grpo.py asks for the bare tag.
+    """
+    tags = _TAG.findall(reply)
+    moves = {m.lower() for m in (tags or _WORD.findall(reply))}
+    return moves.pop() if len(moves) == 1 and moves <= MOVES.keys() else None
+
+
+class FrozenLakeEnv(Env):
+
+    def __init__(self, env_config):
+        super().__init__(env_config)
+        self.size = int(env_config.get('size', 4))
+        self.p = float(env_config.get('p', 0.8))
+        seed = env_config.get('seed')
+        self.seed = int(seed) if seed is not None else None
+
+    async def reset(self, config: RolloutInferRequest):
+        self.grid = generate_random_map(self.size, self.p, self.seed)
+        self.row, self.col = next((r, c) for r, line in enumerate(self.grid) for c, ch in enumerate(line) if ch == 'S')
+        observation = f'{render(self.grid, self.row, self.col)}\nYour move?'
+        return observation, {'seed': self.seed, 'grid': self.grid}, SYSTEM_PROMPT
+
+    async def step(self, action: Messages):
+        move = parse_action(action[-1]['content'])
+        if move is None:
+            observation = ('Invalid reply. Answer with exactly one of <action>up</action>, <action>down</action>, '
+                           f'<action>left</action>, <action>right</action>.\n{render(self.grid, self.row, self.col)}')
+            return observation, 0.0, False, {'status': 'invalid', 'action': None}
+        dr, dc = MOVES[move]
+        self.row = min(max(self.row + dr, 0), self.size - 1)
+        self.col = min(max(self.col + dc, 0), self.size - 1)
+        cell = self.grid[self.row][self.col]
+        board = render(self.grid, self.row, self.col)
+        info = {'action': move, 'position': [self.row, self.col]}
+        if cell == 'G':
+            return f'You moved {move} and reached the goal.\n{board}', 1.0, True, {**info, 'status': 'goal'}
+        if cell == 'H':
+            return f'You moved {move} and fell into a hole.\n{board}', 0.0, True, {**info, 'status': 'hole'}
+        return f'You moved {move}.\n{board}\nYour move?', 0.0, False, {**info, 'status': 'ok'}
+
+    async def close(self):
+        pass
+
+
+envs['frozen_lake'] = FrozenLakeEnv
