@@ -384,8 +384,28 @@ def test_token_logprobs_match_a_full_forward(tiny_model_dir):
 
 # ---------------------------------------------------------------- end to end: train.py
 
+ECHO_PLUGIN = '''
+from env import Env, envs
+
+class LengthEnv(Env):
+    """Rewards long replies: a random tiny model's replies vary in length, so advantages are not 0."""
+    async def reset(self, config):
+        return 'Say something long.', {}, 'You are a test.'
+
+    async def step(self, action):
+        return 'Again.', len(action[-1]['content']) / 100, False, {'status': 'ok'}
+
+    async def close(self):
+        pass
+
+envs['length'] = LengthEnv
+'''
+
+
 def run_train(tmp_path, *flags, timeout=600):
+    (tmp_path / 'length_plugin.py').write_text(ECHO_PLUGIN)
     cmd = [sys.executable, 'train.py', '--model', flags[0], '--output_dir', str(tmp_path), '--max_steps', '2',
+           '--external_plugins', str(tmp_path / 'length_plugin.py'), '--env', 'length',
            '--rows_per_step', '2', '--num_generations', '2', '--max_turns', '2', '--max_completion_length', '8',
            '--eval_size', '4', '--save_steps', '1', '--learning_rate', '1e-3', *flags[1:]]
     run = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=timeout)
