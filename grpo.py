@@ -27,14 +27,18 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from env import Messages
+from frozen_lake import parse_action
 
 _ACTION_ONLY = re.compile(r'\s*<action>\s*(up|down|left|right)\s*</action>\s*', re.IGNORECASE)
 
 
 def format_reward(messages: Messages) -> float:
-    """Share of the assistant's replies that are exactly one `<action>move</action>` and nothing else."""
+    """Mean over the assistant's replies of: 1 for exactly `<action>move</action>` and nothing else,
+    0.5 for a reply that names one move some other way (frozen_lake.parse_action reads it), else 0.
+    The half credit gives a weak model a gradient towards the format before it ever hits it exactly."""
     replies = [m['content'] for m in messages if m['role'] == 'assistant']
-    return sum(bool(_ACTION_ONLY.fullmatch(r)) for r in replies) / max(len(replies), 1)
+    score = sum(1.0 if _ACTION_ONLY.fullmatch(r) else 0.5 if parse_action(r) else 0.0 for r in replies)
+    return score / max(len(replies), 1)
 
 
 reward_funcs: Dict[str, Callable[[Messages], float]] = {'format': format_reward}

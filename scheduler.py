@@ -93,6 +93,7 @@ class MultiTurnScheduler:
         self.engine, self.tokenizer = engine, tokenizer
         self.max_turns, self.max_completion_length = max_turns, max_completion_length
         self.temperature, self.max_model_len = temperature, max_model_len
+        self._queue = []  # (prompt, future) pairs waiting for the engine, see _generate_one
         # The tokens the template puts after an assistant reply ('<|im_end|>\n' for ChatML).
         probe = self._render([{'role': 'user', 'content': 'x'}, {'role': 'assistant', 'content': 'MARK'}])
         self.turn_closer = self._encode(probe[probe.rindex('MARK') + 4:])
@@ -114,14 +115,14 @@ class MultiTurnScheduler:
 
     # ---- drivers ----
     async def run(self, req: RolloutInferRequest) -> Trajectory:
-        """One trajectory, one engine call per turn (the server-mode path)."""
+        """One trajectory (the server-mode path). Run many with asyncio.gather: the turns that are
+        waiting for the engine at the same moment share one batched engine call."""
         (t,) = await self._start([req])
         try:
             for turn in range(1, self.max_turns + 1):
                 if t.stop_reason:
                     break
-                (completion,) = self.engine.generate([t.token_ids], self.max_completion_length, self.temperature)
-                await self._play_turn(t, completion, turn)
+                await self._play_turn(t, await self._generate_one(t.token_ids), turn)
         finally:
             await self._end([t])
         return t
@@ -143,6 +144,25 @@ class MultiTurnScheduler:
         return trajectories
 
     # ---- plumbing shared by both drivers ----
+    async def _generate_one(self, prompt: List[int]) -> Completion:
+        """Queue a prompt; the first one queued schedules a flush, which runs once every coroutine
+        that was ready has queued its own prompt (asyncio runs ready callbacks in order)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._queue.append((prompt, future))
+        if len(self._queue) == 1:
+            loop.call_soon(self._flush)
+        return await future
+
+    def _flush(self):
+        batch, self._queue = self._queue, []
+        try:
+            completions = self.engine.generate([p for p, _ in batch], self.max_completion_length, self.temperature)
+        except Exception as e:
+            completions = [e] * len(batch)
+        for (_, future), completion in zip(batch, completions):
+            future.set_exception(completion) if isinstance(completion, Exception) else future.set_result(completion)
+
     def _render(self, messages, add_generation_prompt=False) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
 

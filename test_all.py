@@ -194,11 +194,21 @@ def test_mixed_batch_is_routed_per_row(tokenizer):
 
 def test_run_and_run_multi_turn_agree(tokenizer):
     scheduler = gym(tokenizer, bfs_policy)
+    calls = []
+    generate = scheduler.engine.generate
+    scheduler.engine.generate = lambda prompts, *a: calls.append(len(prompts)) or generate(prompts, *a)
     batched = rollout(scheduler, requests(range(20)))
-    single = [asyncio.run(scheduler.run(r)) for r in requests(range(20))]
-    for a, b in zip(batched, single):
+    assert len(calls) == max(t.num_turns for t in batched)  # one engine call per turn
+
+    async def concurrently():
+        return await asyncio.gather(*[scheduler.run(r) for r in requests(range(20))])
+    calls.clear()
+    single = asyncio.run(concurrently())
+    assert len(calls) == max(t.num_turns for t in single) and calls[0] == 20  # concurrent run()s share calls
+    one_by_one = [asyncio.run(scheduler.run(r)) for r in requests(range(20))]
+    for a, b, c in zip(batched, single, one_by_one):
         assert (a.token_ids, a.loss_mask, a.request.messages) == (b.token_ids, b.loss_mask, b.request.messages)
-        assert {k: v for k, v in a.rollout_infos.items()} == b.rollout_infos
+        assert a.rollout_infos == b.rollout_infos and (c.token_ids, c.rollout_infos) == (a.token_ids, a.rollout_infos)
 
 
 def test_token_in_token_out_with_the_real_chat_template(tokenizer):
@@ -323,8 +333,8 @@ def test_cli_rejects_bad_input_before_loading_a_model(flags, message):
 
 def test_format_reward():
     msgs = [{'role': 'assistant', 'content': '<action>up</action>'}, {'role': 'user', 'content': 'x'},
-            {'role': 'assistant', 'content': 'go <action>up</action>'}]
-    assert grpo.format_reward(msgs) == 0.5
+            {'role': 'assistant', 'content': 'go <action>up</action>'}, {'role': 'assistant', 'content': 'hmm'}]
+    assert grpo.format_reward(msgs) == pytest.approx((1 + 0.5 + 0) / 3)
 
 
 def test_group_advantages_by_hand():

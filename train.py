@@ -68,6 +68,7 @@ class Args:
     max_completion_length: int = field(default=32, metadata={'help': 'most tokens in one reply'})
     learning_rate: float = field(default=1e-5, metadata={'help': 'AdamW learning rate'})
     micro_batch_size: int = field(default=4, metadata={'help': 'trajectories per forward/backward (memory, not math)'})
+    gradient_checkpointing: bool = field(default=True, metadata={'help': 'recompute activations in backward: less memory, ~30% more time'})
     max_grad_norm: float = field(default=1.0, metadata={'help': 'gradient clipping'})
     # ---- run ----
     max_steps: int = field(default=40, metadata={'help': 'optimizer steps'})
@@ -154,6 +155,7 @@ class VLLMEngine:
 
     def __init__(self, path: str, args: Args):
         os.environ.setdefault('VLLM_ENABLE_V1_MULTIPROCESSING', '0')  # engine core in this process
+        os.environ.setdefault('VLLM_LOGGING_LEVEL', 'ERROR')  # its per-sync INFO lines drown the step lines
         from vllm import LLM
         cuda = torch.cuda.is_available()
         memory = ({'gpu_memory_utilization': args.vllm_gpu_memory_utilization, 'enable_sleep_mode': True} if cuda
@@ -288,7 +290,7 @@ def show(trajectory, tokenizer) -> str:
 
 def train_step(model, ref_model, optimizer, trajectories, advantages, args: Args, pad_id: int) -> dict:
     """GRPO update(s) on one batch; returns loss, kl, clip ratio, grad norm, logprob gap."""
-    order = range(len(trajectories))
+    order = sorted(range(len(trajectories)), key=lambda i: len(trajectories[i].token_ids))  # less padding
     batches = [list(order[i:i + args.micro_batch_size]) for i in range(0, len(trajectories), args.micro_batch_size)]
 
     def tensors(idx):
@@ -302,6 +304,7 @@ def train_step(model, ref_model, optimizer, trajectories, advantages, args: Args
         engine_lp = torch.tensor([pad(trajectories[i].logprobs, 0.0) for i in idx])  # (b, T)
         return ids, attention, mask, engine_lp
 
+    model.train()  # gradient checkpointing is active in train mode only (Llama has no dropout)
     num_tokens = sum(sum(t.loss_mask) for t in trajectories)  # the normaliser, once per batch
     old, ref = {}, {}
     with torch.no_grad():
@@ -335,6 +338,7 @@ def train_step(model, ref_model, optimizer, trajectories, advantages, args: Args
         stats['loss'] += loss_sum / args.num_iterations
         stats['grad_norm'] = grad_norm.item()
         stats['logprob_gap'] = gap / max(num_tokens, 1)  # of the last pass; the first one is the engine/trainer gap
+    model.eval()
     return stats
 
 
@@ -355,6 +359,8 @@ def main(args: Args):
         path = os.path.join(args.output_dir, open(latest).read().strip())
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     if args.resume:
         state = torch.load(os.path.join(path, 'trainer_state.pt'))
