@@ -43,7 +43,7 @@ for name, engine in engines.items():
 syncs = []
 for _ in range(cli.repeats):
     t0 = time.time()
-    engines['vllm'].load_weights(model)
+    engines['vllm'].load_weights(model.state_dict().items())
     syncs.append(time.time() - t0)
 print(f"median tokens/s: vllm {speed['vllm']:.1f}, hf {speed['hf']:.1f}, ratio {speed['vllm'] / speed['hf']:.1f}x; "
       f'median sync {statistics.median(syncs):.2f}s')

@@ -486,7 +486,7 @@ ids, mask = torch.tensor([trajs[0].token_ids]), torch.tensor([trajs[0].loss_mask
 (-grpo.token_logprobs(model, ids, torch.ones_like(ids), mask, 0.8).sum()).backward()
 opt.step()
 print("GAP_STALE", gap(trajs))   # old engine logprobs vs the updated model
-engine.load_weights(model)
+engine.load_weights(model.state_dict().items())
 print("GAP_AFTER", gap(rollout(sched, requests(range(4)))))
 '''
     run = subprocess.run([sys.executable, '-c', script], cwd=HERE, capture_output=True, text=True, timeout=600)
@@ -509,3 +509,160 @@ def test_train_end_to_end_colocated_vllm(tmp_path, tiny_model_dir):
 def test_vllm_sleep_mode_on_cuda(tmp_path, tiny_model_dir):
     out = run_train(tmp_path, tiny_model_dir, '--engine', 'vllm')
     assert 'engine: vllm' in out
+
+
+# ---------------------------------------------------------------- server mode (real processes on 127.0.0.1)
+
+def start_server(folder, tmp_path, port=None):
+    import socket
+    if port is None:
+        with socket.socket() as s:
+            s.bind(('127.0.0.1', 0))
+            port = s.getsockname()[1]
+    (tmp_path / 'length_plugin.py').write_text(ECHO_PLUGIN)
+    log = open(tmp_path / f'server-{port}.log', 'a')
+    proc = subprocess.Popen([sys.executable, 'server.py', '--model', folder, '--vllm_server_port', str(port),
+                             '--external_plugins', str(tmp_path / 'length_plugin.py'), '--gym_env', 'length',
+                             '--vllm_kv_cache_gib', '0.25'], cwd=HERE, stdout=log, stderr=subprocess.STDOUT)
+    return proc, port
+
+
+def wait_healthy(port, proc, timeout=180):
+    import time
+    import urllib.request
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        assert proc.poll() is None, 'the server died while starting'
+        try:
+            return json.loads(urllib.request.urlopen(f'http://127.0.0.1:{port}/health', timeout=5).read())
+        except OSError:
+            time.sleep(1)
+    raise TimeoutError('server did not start')
+
+
+def post(port, route, body: bytes):
+    import urllib.error
+    import urllib.request
+    try:
+        with urllib.request.urlopen(urllib.request.Request(f'http://127.0.0.1:{port}{route}', data=body), timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.fixture(scope='module')
+def server(tmp_path_factory, tiny_model_dir):
+    tmp = tmp_path_factory.mktemp('server')
+    proc, port = start_server(tiny_model_dir, tmp)
+    wait_healthy(port, proc)
+    yield port
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@vllm_available
+def test_server_rejects_malformed_requests_and_goes_on(server):
+    assert post(server, '/rollout', b'{oops')[0] == 400
+    code, body = post(server, '/rollout', json.dumps({'rows': 5, 'num_generations': 2}).encode())
+    assert code == 400 and 'rows must be a list' in body['error']
+    code, body = post(server, '/rollout', json.dumps({'rows': [{'env_config': {'name': 'chess'}}], 'num_generations': 1}).encode())
+    assert code == 400 and 'unknown env' in body['error']
+    assert post(server, '/update_weights', b'not safetensors')[0] == 400
+    assert post(server, '/nowhere', b'')[0] == 404
+    code, body = post(server, '/rollout', json.dumps({'rows': [{'env_config': {}}], 'num_generations': 2}).encode())
+    assert code == 200 and len(body['trajectories']) == 2
+
+
+@vllm_available
+def test_server_mode_training_resume_and_pass_dataset(server, tmp_path, tiny_model_dir):
+    flags = ['--vllm_mode', 'server', '--vllm_server_port', str(server)]
+    out = run_train(tmp_path, tiny_model_dir, *flags, '--vllm_server_pass_dataset', 'true')
+    assert 'held-out success: before' in out
+    steps = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl') if 'loss' in line]
+    assert len(steps) == 2 and all(m['logprob_gap'] < 1e-3 for m in steps)  # the pushed weights are used
+    out = run_train(tmp_path, tiny_model_dir, *flags, '--vllm_server_pass_dataset', 'true', '--max_steps', '3', '--resume', 'true')
+    assert 'at step 2' in out and len([1 for line in open(tmp_path / 'metrics.jsonl') if 'loss' in line]) == 3
+    run = subprocess.run([sys.executable, 'train.py', '--model', tiny_model_dir, *flags, '--output_dir', str(tmp_path / 'x')],
+                         cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1 and 'pass --vllm_server_pass_dataset true' in run.stderr.splitlines()[-1]
+
+
+@vllm_available
+def test_server_matches_colocate_greedy_and_takes_weight_pushes(server, tiny_model_dir):
+    script = f'''
+import torch, train, grpo
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from server import RolloutClient
+args = train.Args(vllm_server_port={server}, vllm_server_pass_dataset=True, max_turns=3, max_completion_length=8,
+                  vllm_kv_cache_gib=0.25)
+tok = AutoTokenizer.from_pretrained({tiny_model_dir!r})
+model = AutoModelForCausalLM.from_pretrained({tiny_model_dir!r})
+client = RolloutClient(args, tok, model.config)
+client.load_weights(model)
+colocated = train.Colocated(train.VLLMEngine({tiny_model_dir!r}, args), tok, args)
+rows = [{{"messages": [], "env_config": {{"name": "frozen_lake", "seed": s}}}} for s in range(6)]
+a, b = client.rollout(rows, 1, 0.0), colocated.rollout(rows, 1, 0.0)
+print("SAME", int([t.token_ids for t in a] == [t.token_ids for t in b]))
+
+def gap(trajs):
+    g = 0.0
+    for t in trajs:
+        ids, mask = torch.tensor([t.token_ids]), torch.tensor([t.loss_mask])
+        lp = grpo.token_logprobs(model, ids, torch.ones_like(ids), mask, 0.8)
+        g = max(g, ((lp - torch.tensor([t.logprobs])).abs()[mask.bool()]).max().item())
+    return g
+ids, mask = torch.tensor([a[0].token_ids]), torch.tensor([a[0].loss_mask])
+(-grpo.token_logprobs(model, ids, torch.ones_like(ids), mask).sum()).backward()
+torch.optim.SGD(model.parameters(), lr=5.0).step()
+print("GAP_STALE", gap(client.rollout(rows, 1, 0.8)))
+client.load_weights(model)
+print("GAP_AFTER", gap(client.rollout(rows, 1, 0.8)))
+'''
+    run = subprocess.run([sys.executable, '-c', script], cwd=HERE, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    values = {line.split()[0]: float(line.split()[1]) for line in run.stdout.splitlines() if line[:4] in ('SAME', 'GAP_')}
+    assert values['SAME'] == 1 and values['GAP_STALE'] > 0.1 and values['GAP_AFTER'] < 1e-3, values
+
+
+@vllm_available
+def test_server_refuses_another_model_and_a_restart_is_caught(tmp_path, tiny_model_dir, tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    other = tmp_path / 'other'
+    LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=2, head_dim=64)).save_pretrained(other)
+    tokenizer.save_pretrained(other)
+    proc, port = start_server(tiny_model_dir, tmp_path)
+    try:
+        wait_healthy(port, proc)
+        base = [sys.executable, 'train.py', '--vllm_mode', 'server', '--vllm_server_port', str(port),
+                '--vllm_server_pass_dataset', 'true', '--output_dir', str(tmp_path / 'out'), '--vllm_server_timeout', '5']
+        run = subprocess.run(base + ['--model', str(other)], cwd=HERE, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 1 and 'another model architecture or tokenizer' in run.stderr.splitlines()[-1]
+        script = f'''
+import os, signal, subprocess, sys, time, train
+from transformers import AutoConfig, AutoTokenizer
+from env import UserError
+from server import RolloutClient
+from test_all import start_server, wait_healthy
+import pathlib
+args = train.Args(vllm_server_port={port}, vllm_server_pass_dataset=True, vllm_server_timeout=5)
+client = RolloutClient(args, AutoTokenizer.from_pretrained({tiny_model_dir!r}), AutoConfig.from_pretrained({tiny_model_dir!r}))
+os.kill({proc.pid}, signal.SIGKILL)
+time.sleep(1)
+try:
+    client.rollout([{{"messages": []}}], 2, 1.0)
+except UserError as e:
+    print("DEAD", e)
+proc, _ = start_server({tiny_model_dir!r}, pathlib.Path({str(tmp_path)!r}), port={port})
+wait_healthy({port}, proc)
+try:
+    client.rollout([{{"messages": []}}], 2, 1.0)
+except UserError as e:
+    print("RESTARTED", e)
+proc.terminate()
+'''
+        run = subprocess.run([sys.executable, '-c', script], cwd=HERE, capture_output=True, text=True, timeout=600)
+        assert 'DEAD' in run.stdout and '--resume true' in run.stdout, run.stdout + run.stderr[-2000:]
+        assert 'RESTARTED' in run.stdout and 'lost the trained weights' in run.stdout, run.stdout + run.stderr[-2000:]
+    finally:
+        proc.kill()

@@ -34,7 +34,7 @@ import torch
 import frozen_lake  # noqa: F401  (registers envs['frozen_lake'])
 import grpo
 from env import RolloutInferRequest, UserError, env_name, envs, load_dataset, load_plugins
-from scheduler import Completion, GYMScheduler, HFEngine, rollout
+from scheduler import Completion, GYMScheduler, HFEngine, Trajectory, rollout
 
 EVAL_SEED_BASE = 100_000  # held-out maps use seeds 100000.. : far from data.jsonl's 0..127
 
@@ -51,9 +51,13 @@ class Args:
     # ---- model and engine ----
     model: Optional[str] = field(default=None, metadata={'help': 'local folder or hub id; default: the embedded SmolLM2-135M-Instruct'})
     engine: str = field(default='auto', metadata={'help': 'rollout engine: vllm, hf, or auto (vllm when it can start)'})
-    vllm_mode: str = field(default='colocate', metadata={'help': 'only colocate: vLLM inside this process'})
+    vllm_mode: str = field(default='colocate', metadata={'help': 'colocate: vLLM inside this process; server: rollouts from server.py'})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={'help': 'CUDA: share of GPU memory vLLM may take'})
     vllm_kv_cache_gib: float = field(default=1.0, metadata={'help': 'CPU: GiB of RAM for the vLLM KV cache'})
+    vllm_server_host: str = field(default='127.0.0.1', metadata={'help': 'server mode: the rollout server address (server.py listens there)'})
+    vllm_server_port: int = field(default=8000, metadata={'help': 'server mode: the rollout server port'})
+    vllm_server_pass_dataset: bool = field(default=False, metadata={'help': "server mode: send each row's env_config to the server's envs"})
+    vllm_server_timeout: float = field(default=240.0, metadata={'help': 'server mode: seconds to wait for an answer before giving up'})
     vllm_max_model_len: int = field(default=2048, metadata={'help': 'longest trajectory, prompt included, in tokens'})
     # ---- GRPO ----
     num_generations: int = field(default=8, metadata={'help': 'trajectories per row (the group size), at least 2'})
@@ -102,8 +106,8 @@ def check_args(args: Args) -> List[dict]:
     """Every bad-input check that can run before a model loads; returns the dataset rows."""
     if args.multi_turn_scheduler != 'gym_scheduler':
         raise UserError(f'--multi_turn_scheduler {args.multi_turn_scheduler}: only gym_scheduler is built in')
-    if args.vllm_mode != 'colocate':
-        raise UserError(f'--vllm_mode {args.vllm_mode}: only colocate is implemented')
+    if args.vllm_mode not in ('colocate', 'server'):
+        raise UserError(f'--vllm_mode {args.vllm_mode}: choose colocate or server')
     if args.engine not in ('auto', 'vllm', 'hf'):
         raise UserError(f'--engine {args.engine}: choose vllm, hf or auto')
     if args.num_generations < 2:
@@ -120,7 +124,10 @@ def check_args(args: Args) -> List[dict]:
     load_plugins(args.external_plugins)
     if args.gym_env not in envs:
         raise UserError(f'--gym_env {args.gym_env}: not registered; registered: {", ".join(sorted(envs))}')
-    return load_dataset(args.dataset, args.gym_env)
+    rows = load_dataset(args.dataset, args.gym_env)
+    if not 1 <= args.rows_per_step <= len(rows):
+        raise UserError(f'--rows_per_step {args.rows_per_step}: must be 1..{len(rows)} (the rows in {args.dataset})')
+    return rows
 
 
 # ---------------------------------------------------------------- model and engines
@@ -183,10 +190,10 @@ class VLLMEngine:
         if self.cuda:
             self.llm.wake_up()
 
-    def load_weights(self, model):
-        """Push the trainer's weights in memory, all at once (fused q/k/v and gate/up pieces must
+    def load_weights(self, weights):
+        """Push (name, tensor) pairs in memory, all at once (fused q/k/v and gate/up pieces must
         arrive together), then drop every cached prefix: they were computed by the old weights."""
-        weights = [(name, p.detach()) for name, p in model.state_dict().items()]
+        weights = [(name, tensor.detach()) for name, tensor in weights]
         self.llm.collective_rpc('reload_weights', kwargs={'weights_iterator': weights})
         self.llm.reset_prefix_cache()
 
@@ -199,8 +206,31 @@ class TrainerEngine(HFEngine):
 
     wake_up = sleep
 
-    def load_weights(self, model):
+    def load_weights(self, weights):
         pass
+
+
+class Colocated:
+    """Rollouts in this process: an engine (vLLM or transformers) under a GYMScheduler."""
+
+    def __init__(self, engine, tokenizer, args: Args):
+        self.engine = engine
+        self.scheduler = GYMScheduler(engine, tokenizer, max_turns=args.max_turns, gym_env=args.gym_env,
+                                      max_completion_length=args.max_completion_length,
+                                      max_model_len=args.vllm_max_model_len)
+
+    def rollout(self, rows, group_size, temperature) -> List[Trajectory]:
+        self.scheduler.temperature = temperature
+        return rollout(self.scheduler, requests_for(rows, group_size))
+
+    def sleep(self):
+        self.engine.sleep()
+
+    def wake_up(self):
+        self.engine.wake_up()
+
+    def load_weights(self, model):
+        self.engine.load_weights(model.state_dict().items())
 
 
 def make_engine(args: Args, path: str, model, tokenizer):
@@ -235,14 +265,10 @@ def success_interval(successes: int, n: int, z: float = 1.96):
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def evaluate(scheduler, args: Args) -> dict:
+def evaluate(rollouts, args: Args) -> dict:
     """Held-out success: seeds EVAL_SEED_BASE.., one trajectory per map, at --eval_temperature."""
     rows = [{'messages': [], 'env_config': {'seed': EVAL_SEED_BASE + i}} for i in range(args.eval_size)]
-    temperature, scheduler.temperature = scheduler.temperature, args.eval_temperature
-    try:
-        trajectories = rollout(scheduler, requests_for(rows, 1))
-    finally:
-        scheduler.temperature = temperature
+    trajectories = rollouts.rollout(rows, 1, args.eval_temperature)
     wins = sum(t.rollout_infos.get('total_reward', 0.0) >= 1.0 for t in trajectories)
     low, high = success_interval(wins, len(trajectories))
     return {'success': wins / len(trajectories), 'success_low': low, 'success_high': high,
@@ -368,16 +394,19 @@ def main(args: Args):
         start_step = state['step']
         print(f'resumed from {path} at step {start_step}')
     ref_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval() if args.beta else None
-    engine = make_engine(args, path, model, tokenizer)
-    scheduler = GYMScheduler(engine, tokenizer, max_turns=args.max_turns, max_completion_length=args.max_completion_length,
-                             temperature=args.temperature, max_model_len=args.vllm_max_model_len, gym_env=args.gym_env)
+    if args.vllm_mode == 'server':
+        from server import RolloutClient
+        rollouts = RolloutClient(args, tokenizer, model.config)
+        rollouts.load_weights(model)  # the server may hold other weights (a restart, a --resume)
+    else:
+        rollouts = Colocated(make_engine(args, path, model, tokenizer), tokenizer, args)
     weights = torch.tensor(args.reward_weights or [1.0] * (len(args.reward_funcs) + args.use_gym_env))
     metrics_file = open(os.path.join(args.output_dir, 'metrics.jsonl'), 'a')
     completions_file = open(os.path.join(args.output_dir, 'completions.jsonl'), 'a')
 
     def log_eval(step, tag):
         t0 = time.time()
-        result = evaluate(scheduler, args)
+        result = evaluate(rollouts, args)
         example = result.pop('example')
         print(f"eval {tag} step {step}: success {result['success']:.1%} "
               f"[{result['success_low']:.1%}, {result['success_high']:.1%}], valid actions "
@@ -390,13 +419,11 @@ def main(args: Args):
     before = log_eval(start_step, 'before')
     if args.eval_only:
         return before
-    order = list(range(len(rows)))
     for step in tqdm(range(start_step + 1, args.max_steps + 1), desc='steps', initial=start_step, total=args.max_steps):
         # ---- 1-2. rollout: rows -> groups of trajectories ----
-        random.Random(args.seed * 100_003 + step).shuffle(order)  # a step's rows depend only on (seed, step)
-        batch_rows = [rows[i] for i in order[:args.rows_per_step]]
-        t0 = time.time()
-        trajectories = rollout(scheduler, requests_for(batch_rows, args.num_generations))
+        picked = random.Random(args.seed * 100_003 + step).sample(range(len(rows)), args.rows_per_step)
+        t0 = time.time()  # (a step's rows depend only on --seed and the step: a resumed run sees the same rows)
+        trajectories = rollouts.rollout([rows[i] for i in picked], args.num_generations, args.temperature)
         rollout_s = time.time() - t0
         # ---- 3. rewards and advantages ----
         columns = grpo.reward_columns(trajectories, args.reward_funcs, args.use_gym_env)  # (N, K)
@@ -404,13 +431,13 @@ def main(args: Args):
         advantages = grpo.group_advantages(rewards, args.num_generations)  # (N,)
         # ---- 4. the update ----
         t0 = time.time()
-        engine.sleep()
+        rollouts.sleep()
         stats = train_step(model, ref_model, optimizer, trajectories, advantages, args, tokenizer.pad_token_id)
         train_s = time.time() - t0
         # ---- 5. sync and logs ----
         t0 = time.time()
-        engine.wake_up()
-        engine.load_weights(model)
+        rollouts.wake_up()
+        rollouts.load_weights(model)
         sync_s = time.time() - t0
         grouped = rewards.view(-1, args.num_generations)
         record = {
