@@ -443,6 +443,7 @@ def test_train_end_to_end_hf_engine_and_resume(tmp_path, tiny_model_dir):
         assert all(key in c for c in lines), key
     assert set(lines[0]['rewards']) == {'format', 'gym'} and 'step_infos' in lines[0]['rollout_infos']
     assert (tmp_path / 'latest').read_text() == 'checkpoint-2' and not (tmp_path / 'checkpoint-1').exists()
+    assert (tmp_path / 'curve.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     out = run_train(tmp_path, tiny_model_dir, '--engine', 'hf', '--max_steps', '3', '--resume', 'true')
     assert 'resumed from' in out and 'at step 2' in out
     assert [json.loads(line)['step'] for line in open(tmp_path / 'metrics.jsonl') if 'loss' in line] == [1, 2, 3]
@@ -645,7 +646,7 @@ from env import UserError
 from server import RolloutClient
 from test_all import start_server, wait_healthy
 import pathlib
-args = train.Args(vllm_server_port={port}, vllm_server_pass_dataset=True, vllm_server_timeout=5)
+args = train.Args(vllm_server_port={port}, vllm_server_pass_dataset=True, vllm_server_timeout=120)
 client = RolloutClient(args, AutoTokenizer.from_pretrained({tiny_model_dir!r}), AutoConfig.from_pretrained({tiny_model_dir!r}))
 os.kill({proc.pid}, signal.SIGKILL)
 time.sleep(1)

@@ -273,7 +273,7 @@ def evaluate(rollouts, args: Args) -> dict:
     low, high = success_interval(wins, len(trajectories))
     return {'success': wins / len(trajectories), 'success_low': low, 'success_high': high,
             'valid_actions': valid_share(trajectories),
-            'turns': sum(t.num_turns for t in trajectories) / len(trajectories), 'example': trajectories[0]}
+            'turns': sum(t.num_turns for t in trajectories) / len(trajectories), 'examples': trajectories[:2]}
 
 
 def valid_share(trajectories) -> float:
@@ -310,6 +310,25 @@ def show(trajectory, tokenizer) -> str:
             text += f'[[{piece}]]' if mask[start] else piece
             start = i
     return text + f"\n  -> {trajectory.rollout_infos.get('stop_reason')}, reward {trajectory.rollout_infos.get('total_reward')}"
+
+
+def plot(output_dir: str):
+    """curve.png: training reward per step and held-out success (with its 95% interval) against steps."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    records = [json.loads(line) for line in open(os.path.join(output_dir, 'metrics.jsonl'))]
+    train_steps = [r for r in records if 'gym_reward' in r and r['gym_reward'] is not None]
+    evals = [r for r in records if 'eval/success' in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r['step'] for r in train_steps], [r['gym_reward'] for r in train_steps], alpha=0.5,
+            label='training success (gym reward, sampled)')
+    ax.errorbar([r['step'] for r in evals], [r['eval/success'] for r in evals], marker='o', capsize=3,
+                yerr=[[r['eval/success'] - r['eval/success_low'] for r in evals],
+                      [r['eval/success_high'] - r['eval/success'] for r in evals]], label='held-out success (95% CI)')
+    ax.set(xlabel='step', ylabel='success rate', ylim=(0, 1), title=os.path.basename(os.path.abspath(output_dir)))
+    ax.legend()
+    fig.savefig(os.path.join(output_dir, 'curve.png'), dpi=120, bbox_inches='tight')
 
 
 # ---------------------------------------------------------------- the training step
@@ -407,11 +426,12 @@ def main(args: Args):
     def log_eval(step, tag):
         t0 = time.time()
         result = evaluate(rollouts, args)
-        example = result.pop('example')
+        examples = result.pop('examples')
         print(f"eval {tag} step {step}: success {result['success']:.1%} "
               f"[{result['success_low']:.1%}, {result['success_high']:.1%}], valid actions "
               f"{result['valid_actions']:.1%}, turns {result['turns']:.2f} ({time.time() - t0:.0f}s)")
-        print('  example:', show(example, tokenizer).replace('\n', '\n  '))
+        for example in examples:  # the model's own tokens in [[...]]
+            print('  example:', show(example, tokenizer).replace('\n', '\n  '))
         metrics_file.write(json.dumps({'step': step, **{f'eval/{k}': v for k, v in result.items()}}) + '\n')
         metrics_file.flush()
         return result
@@ -470,6 +490,7 @@ def main(args: Args):
             save_checkpoint(model, tokenizer, optimizer, step, args.output_dir)
     after = log_eval(args.max_steps, 'after')
     print(f"held-out success: before {before['success']:.1%} -> after {after['success']:.1%}")
+    plot(args.output_dir)
     return after
 
 
