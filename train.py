@@ -13,8 +13,11 @@ Each step:
 5. push the weights into the engine; log a line, metrics.jsonl and completions.jsonl;
    evaluate on held-out maps and checkpoint every few steps.
 
+The document's server mode (`swift rollout` + `--vllm_mode server`) lives in server.py; only the
+source of the trajectories changes, everything from step 3 on is shared.
+
 Left out on purpose: LoRA, DeepSpeed/FSDP, multi-GPU, mixed precision on CPU, learning-rate
-schedules, reward models. Server mode (the document's `swift rollout`) is not here yet.
+schedules, reward models.
 """
 import argparse
 import dataclasses
@@ -62,25 +65,25 @@ class Args:
     # ---- GRPO ----
     num_generations: int = field(default=8, metadata={'help': 'trajectories per row (the group size), at least 2'})
     rows_per_step: int = field(default=4, metadata={'help': 'dataset rows per optimizer step'})
-    reward_funcs: List[str] = field(default_factory=list, metadata={'help': f'extra reward columns, from: {", ".join(grpo.reward_funcs)}'})
-    reward_weights: List[float] = field(default_factory=list, metadata={'help': 'one weight per column, the gym reward last (default all 1)'})
+    reward_funcs: List[str] = field(default_factory=lambda: ['format'], metadata={'help': f'extra reward columns, from: {", ".join(grpo.reward_funcs)}'})
+    reward_weights: List[float] = field(default_factory=lambda: [0.5, 1.0], metadata={'help': 'one weight per column, the gym reward last (all 1 when --reward_funcs is given alone)'})
     beta: float = field(default=0.0, metadata={'help': 'KL penalty to the starting model (0: no reference model kept)'})
     epsilon: float = field(default=0.2, metadata={'help': 'lower clip range of the ratio'})
     epsilon_high: Optional[float] = field(default=None, metadata={'help': 'upper clip range (default: --epsilon)'})
     num_iterations: int = field(default=1, metadata={'help': 'optimizer passes over each batch'})
-    temperature: float = field(default=1.0, metadata={'help': 'sampling temperature of training rollouts'})
-    max_completion_length: int = field(default=32, metadata={'help': 'most tokens in one reply'})
-    learning_rate: float = field(default=1e-5, metadata={'help': 'AdamW learning rate'})
+    temperature: float = field(default=0.8, metadata={'help': 'sampling temperature of training rollouts'})
+    max_completion_length: int = field(default=16, metadata={'help': 'most tokens in one reply'})
+    learning_rate: float = field(default=2e-5, metadata={'help': 'AdamW learning rate'})
     micro_batch_size: int = field(default=4, metadata={'help': 'trajectories per forward/backward (memory, not math)'})
     gradient_checkpointing: bool = field(default=True, metadata={'help': 'recompute activations in backward: less memory, ~30% more time'})
     max_grad_norm: float = field(default=1.0, metadata={'help': 'gradient clipping'})
     # ---- run ----
-    max_steps: int = field(default=40, metadata={'help': 'optimizer steps'})
-    eval_steps: int = field(default=10, metadata={'help': 'evaluate every N steps (0: only before and after)'})
+    max_steps: int = field(default=60, metadata={'help': 'optimizer steps'})
+    eval_steps: int = field(default=20, metadata={'help': 'evaluate every N steps (0: only before and after)'})
     eval_size: int = field(default=256, metadata={'help': 'held-out maps (seeds 100000..)'})
     eval_temperature: float = field(default=0.0, metadata={'help': 'sampling temperature of evaluation (0: greedy)'})
     eval_only: bool = field(default=False, metadata={'help': 'evaluate --model and stop'})
-    save_steps: int = field(default=10, metadata={'help': 'checkpoint every N steps (and at the end)'})
+    save_steps: int = field(default=20, metadata={'help': 'checkpoint every N steps (and at the end)'})
     output_dir: str = field(default='output', metadata={'help': 'metrics, completions, checkpoints, plot'})
     resume: bool = field(default=False, metadata={'help': 'continue from the latest checkpoint in --output_dir'})
     seed: int = field(default=0, metadata={'help': 'seeds torch, python and the engine'})
@@ -94,12 +97,15 @@ def parse_args(argv=None) -> Args:
             parser.add_argument(*names, type=lambda s: s.lower() in ('1', 'true', 'yes'), default=f.default,
                                 metavar='true|false', help=f.metadata['help'])
         elif f.type in (List[str], List[float]):
-            parser.add_argument(*names, nargs='*', type=str if f.type == List[str] else float, default=[],
+            parser.add_argument(*names, nargs='*', type=str if f.type == List[str] else float, default=None,
                                 help=f.metadata['help'])
         else:
             kind = {Optional[str]: str, Optional[float]: float}.get(f.type, f.type)
             parser.add_argument(*names, type=kind, default=f.default, help=f.metadata['help'])
-    return Args(**vars(parser.parse_args(argv)))
+    given = {k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None}
+    if 'reward_funcs' in given and 'reward_weights' not in given:
+        given['reward_weights'] = []  # other reward columns than the default: weigh them all 1, as ms-swift does
+    return Args(**given)
 
 
 def check_args(args: Args) -> List[dict]:
