@@ -4,8 +4,9 @@ Implements "启动训练" and "2. GYMScheduler 的 hook 实现" of the GYM-env d
 
 1. `on_trajectory_start(requests)`: set up each trajectory (GYMScheduler: make the env, `reset`,
    messages = [system, user(observation)]).
-2. Each turn, every live trajectory's token ids go to the engine (one batched call per turn in
-   `run_multi_turn`, the colocate path; one call per turn in `run`, the server path).
+2. Each turn, every live trajectory's token ids go to the engine: `run_multi_turn` makes one
+   batched call per turn for all its trajectories (the colocate path); `run` plays one trajectory,
+   and concurrent `run`s share batched calls (the server path).
 3. `on_turn_end(req, completion, turn)` judges the reply and returns {'done', 'rollout_infos'}
    (GYMScheduler: `env.step`, accumulate the reward).
 4. `step(req, completion, turn)` returns {'infer_request': req} for the next turn (GYMScheduler:
