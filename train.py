@@ -184,9 +184,13 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, logprobs=0)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        return [Completion(list(o.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)],
-                           'length' if o.outputs[0].finish_reason == 'length' else 'stop') for o in outputs]
+        completions = []
+        for out in self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False):
+            sample = out.outputs[0]
+            logprobs = [step[token].logprob for token, step in zip(sample.token_ids, sample.logprobs)]  # sampled only
+            completions.append(Completion(list(sample.token_ids), logprobs,
+                                          'length' if sample.finish_reason == 'length' else 'stop'))
+        return completions
 
     def sleep(self):
         if self.cuda:  # level 1: weights to CPU, KV cache dropped (level 2 has known bugs, see NOTES)
