@@ -22,10 +22,10 @@ object per trajectory is simpler to read and is what the document describes).
 """
 import importlib.util
 import json
-import sys
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Tuple, Type
 
 Messages = List[Dict[str, Any]]  # [{'role': 'system'|'user'|'assistant', 'content': str}, ...]
@@ -77,7 +77,7 @@ envs: Dict[str, Type[Env]] = {}
 def load_plugins(paths: List[str]) -> None:
     """Import each plugin file by path; its `envs['x'] = X` lines register its envs."""
     for path in paths:
-        spec = importlib.util.spec_from_file_location(f'plugin_{len(sys.modules)}', path)
+        spec = importlib.util.spec_from_file_location(Path(path).stem, path)
         if spec is None or not path.endswith('.py'):
             raise UserError(f'--external_plugins {path}: not a .py file')
         module = importlib.util.module_from_spec(spec)
