@@ -40,7 +40,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 import train
-from env import RolloutInferRequest, UserError, env_name, envs, load_plugins
+from env import RolloutInferRequest, UserError, env_name, envs
 from scheduler import GYMScheduler, Trajectory
 
 
@@ -53,9 +53,7 @@ def fingerprint(tokenizer, config) -> str:
 
 def serve(args: train.Args):
     from transformers import AutoConfig, AutoTokenizer
-    load_plugins(args.external_plugins)
-    if args.gym_env not in envs:
-        raise UserError(f'--gym_env {args.gym_env}: not registered; registered: {", ".join(sorted(envs))}')
+    train.register_envs(args)
     path = args.model or train.embedded_model()
     tokenizer = AutoTokenizer.from_pretrained(path)
     engine = train.VLLMEngine(path, args)

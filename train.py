@@ -108,6 +108,13 @@ def parse_args(argv=None) -> Args:
     return Args(**given)
 
 
+def register_envs(args: Args):
+    """Import --external_plugins and check that --gym_env is registered."""
+    load_plugins(args.external_plugins)
+    if args.gym_env not in envs:
+        raise UserError(f'--gym_env {args.gym_env}: not registered; registered: {", ".join(sorted(envs))}')
+
+
 def check_args(args: Args) -> List[dict]:
     """Every bad-input check that can run before a model loads; returns the dataset rows."""
     if args.multi_turn_scheduler != 'gym_scheduler':
@@ -127,9 +134,7 @@ def check_args(args: Args) -> List[dict]:
     if args.reward_weights and len(args.reward_weights) != columns:
         raise UserError(f'--reward_weights: got {len(args.reward_weights)}, need {columns} '
                         f'(one per --reward_funcs, then the gym reward)')
-    load_plugins(args.external_plugins)
-    if args.gym_env not in envs:
-        raise UserError(f'--gym_env {args.gym_env}: not registered; registered: {", ".join(sorted(envs))}')
+    register_envs(args)
     rows = load_dataset(args.dataset, args.gym_env)
     if not 1 <= args.rows_per_step <= len(rows):
         raise UserError(f'--rows_per_step {args.rows_per_step}: must be 1..{len(rows)} (the rows in {args.dataset})')
