@@ -56,7 +56,7 @@ class Args:
     engine: str = field(default='auto', metadata={'help': 'rollout engine: vllm, hf, or auto (vllm when it can start)'})
     vllm_mode: str = field(default='colocate', metadata={'help': 'colocate: vLLM inside this process; server: rollouts from server.py'})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={'help': 'CUDA: share of GPU memory vLLM may take'})
-    vllm_kv_cache_gib: float = field(default=1.0, metadata={'help': 'CPU: GiB of RAM for the vLLM KV cache'})
+    vllm_kv_cache_gib: float = field(default=0.5, metadata={'help': 'CPU: GiB of RAM for the vLLM KV cache'})
     vllm_server_host: str = field(default='127.0.0.1', metadata={'help': 'server mode: the rollout server address (server.py listens there)'})
     vllm_server_port: int = field(default=8000, metadata={'help': 'server mode: the rollout server port'})
     vllm_server_pass_dataset: bool = field(default=False, metadata={'help': "server mode: send each row's env_config to the server's envs"})
