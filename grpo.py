@@ -58,6 +58,14 @@ def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) 
     return advantages.view(-1)  # (N,)
 
 
+def with_spread(rewards: torch.Tensor, group_size: int) -> list[int]:
+    """Indices of the trajectories whose group's rewards are not all equal. The others have A = 0:
+    with beta = 0 they add nothing to the gradient, only tokens to the normaliser and time to the
+    update. Training on these alone is DAPO's "dynamic sampling" without its refill."""
+    spread = rewards.view(-1, group_size).std(1) > 0  # (groups,)
+    return spread.repeat_interleave(group_size).nonzero().flatten().tolist()
+
+
 def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature: float = 1.0,
                    chunk: int = 256) -> torch.Tensor:
     """(B, T) log-probabilities of input_ids under the model (softmax(logits / temperature)), on the

@@ -350,6 +350,8 @@ def plot(output_dir: str):
 
 def train_step(model, ref_model, optimizer, trajectories, advantages, args: Args, pad_id: int) -> dict:
     """GRPO update(s) on one batch; returns loss, kl, clip ratio, grad norm, logprob gap."""
+    if not trajectories:  # no update at all (a zero gradient would still move Adam along its momentum)
+        return {'loss': 0.0, 'kl': 0.0, 'clip_ratio': 0.0, 'logprob_gap': None, 'grad_norm': 0.0, 'skipped': 0}
     order = sorted(range(len(trajectories)), key=lambda i: len(trajectories[i].token_ids))  # less padding
     batches = [list(order[i:i + args.micro_batch_size]) for i in range(0, len(trajectories), args.micro_batch_size)]
 
@@ -464,15 +466,18 @@ def main(args: Args):
         columns = grpo.reward_columns(trajectories, args.reward_funcs, args.use_gym_env)  # (N, K)
         rewards = columns @ weights  # (N,)
         advantages = grpo.group_advantages(rewards, args.num_generations)  # (N,)
-        # ---- 4. the update ----
+        # ---- 4. the update, on the groups with reward spread (the others teach nothing unless beta > 0) ----
+        keep = grpo.with_spread(rewards, args.num_generations) if not args.beta else list(range(len(rewards)))
         t0 = time.time()
         rollouts.sleep()
-        stats = train_step(model, ref_model, optimizer, trajectories, advantages, args, tokenizer.pad_token_id)
+        stats = train_step(model, ref_model, optimizer, [trajectories[i] for i in keep], advantages[keep], args,
+                           tokenizer.pad_token_id)
         train_s = time.time() - t0
         # ---- 5. sync and logs ----
         t0 = time.time()
         rollouts.wake_up()
-        rollouts.load_weights(model)
+        if keep:
+            rollouts.load_weights(model)
         sync_s = time.time() - t0
         grouped = rewards.view(-1, args.num_generations)
         record = {
@@ -495,9 +500,10 @@ def main(args: Args):
                 'rewards': dict(zip(args.reward_funcs + ['gym'] * args.use_gym_env, col)), 'reward': r,
                 'advantage': a, 'rollout_infos': t.rollout_infos}) + '\n')
         completions_file.flush()
+        gap = 'n/a (no update)' if stats['logprob_gap'] is None else f"{stats['logprob_gap']:.2e}"
         tqdm.write(f"step {step}: reward {record['reward']:.3f} gym {record['gym_reward']} valid "
                    f"{record['valid_actions']:.0%} turns {record['turns']:.1f} zero-adv {record['zero_adv_groups']:.0%} "
-                   f"loss {stats['loss']:.4f} kl {stats['kl']:.4f} gap {stats['logprob_gap']:.2e} "
+                   f"loss {stats['loss']:.4f} kl {stats['kl']:.4f} gap {gap} "
                    f"| rollout {rollout_s:.0f}s train {train_s:.0f}s sync {sync_s:.1f}s")
         if args.eval_steps and step % args.eval_steps == 0 and step != args.max_steps:
             log_eval(step, 'during')
