@@ -6,7 +6,8 @@ Implements "--use_gym_env" and "5. （可选）叠加自定义 reward" of the GY
    env's `total_reward` last; the reward is their `--reward_weights`-weighted sum.
 2. Advantage (one number per trajectory): A = (r - mean(group)) / (std(group) + eps), over the
    --num_generations trajectories of one dataset row. A group whose rewards are all equal has
-   A = 0 everywhere: it teaches nothing (counted as `zero_adv_groups` in the logs).
+   A = 0 everywhere: it teaches nothing (counted as `zero_adv_groups` in the logs; `with_spread`
+   picks the others, and train.py updates on those alone when beta = 0).
 3. Per token t the model sampled (loss_mask 1), with ratio = exp(logp - logp_old):
        loss_t = -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A) + beta * KL_t
    KL_t is the k3 estimator exp(ref - logp) - (ref - logp) - 1 (Schulman, "Approximating KL

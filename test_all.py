@@ -344,6 +344,9 @@ def test_group_advantages_by_hand():
     assert torch.allclose(adv[:3], torch.tensor([(2 / 3) / s, -(1 / 3) / s, -(1 / 3) / s]))
     assert torch.allclose(adv[3:], torch.tensor([-(2 / 3) / s, (1 / 3) / s, (1 / 3) / s]))
     assert torch.equal(grpo.group_advantages(torch.tensor([0.5, 0.5]), 2), torch.zeros(2))  # no spread
+    # only groups with spread are trained on; a zero-advantage member of such a group stays
+    assert grpo.with_spread(torch.tensor([0.0, 0.5, 1.0, 1.0, 1.0, 1.0, 0.2, 0.2, 0.3]), 3) == [0, 1, 2, 6, 7, 8]
+    assert grpo.with_spread(torch.tensor([1.0, 1.0]), 2) == []
 
 
 def test_grpo_loss_by_hand():
