@@ -350,8 +350,6 @@ def plot(output_dir: str):
 
 def train_step(model, ref_model, optimizer, trajectories, advantages, args: Args, pad_id: int) -> dict:
     """GRPO update(s) on one batch; returns loss, kl, clip ratio, grad norm, logprob gap."""
-    if not trajectories:  # no update at all (a zero gradient would still move Adam along its momentum)
-        return {'loss': 0.0, 'kl': 0.0, 'clip_ratio': 0.0, 'logprob_gap': None, 'grad_norm': 0.0, 'skipped': 0}
     order = sorted(range(len(trajectories)), key=lambda i: len(trajectories[i].token_ids))  # less padding
     batches = [list(order[i:i + args.micro_batch_size]) for i in range(0, len(trajectories), args.micro_batch_size)]
 
@@ -366,6 +364,9 @@ def train_step(model, ref_model, optimizer, trajectories, advantages, args: Args
         engine_lp = torch.tensor([pad(trajectories[i].logprobs, 0.0) for i in idx])  # (b, T)
         return ids, attention, mask, engine_lp
 
+    stats = {'loss': 0.0, 'kl': 0.0, 'clip_ratio': 0.0, 'logprob_gap': None, 'grad_norm': 0.0, 'skipped': 0}
+    if not trajectories:  # no update at all (a zero gradient would still move Adam along its momentum)
+        return stats
     model.train()  # gradient checkpointing is active in train mode only (Llama has no dropout)
     num_tokens = sum(sum(t.loss_mask) for t in trajectories)  # the normaliser, once per batch
     old, ref = {}, {}
@@ -376,7 +377,6 @@ def train_step(model, ref_model, optimizer, trajectories, advantages, args: Args
                 old[k] = grpo.token_logprobs(model, ids, attention, mask, args.temperature)
             if args.beta:
                 ref[k] = grpo.token_logprobs(ref_model, ids, attention, mask, args.temperature)
-    stats = {'loss': 0.0, 'kl': 0.0, 'clip_ratio': 0.0, 'logprob_gap': 0.0, 'grad_norm': 0.0, 'skipped': 0}
     for _ in range(args.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         loss_sum, gap = 0.0, 0.0
@@ -469,14 +469,15 @@ def main(args: Args):
         # ---- 4. the update, on the groups with reward spread (the others teach nothing unless beta > 0) ----
         keep = grpo.with_spread(rewards, args.num_generations) if not args.beta else list(range(len(rewards)))
         t0 = time.time()
-        rollouts.sleep()
+        if keep:
+            rollouts.sleep()
         stats = train_step(model, ref_model, optimizer, [trajectories[i] for i in keep], advantages[keep], args,
                            tokenizer.pad_token_id)
         train_s = time.time() - t0
         # ---- 5. sync and logs ----
         t0 = time.time()
-        rollouts.wake_up()
         if keep:
+            rollouts.wake_up()
             rollouts.load_weights(model)
         sync_s = time.time() - t0
         grouped = rewards.view(-1, args.num_generations)
