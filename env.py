@@ -1,24 +1,20 @@
-"""The GYM environment interface, its registry, plugin loading and dataset loading.
+"""The GYM environment interface, its registries, plugin loading and dataset loading.
 
-Implements the section "Gym 接口" of the GYM-env document (../shared/seed/...), plus the
-registration step ("3. 注册") and the dataset step ("4. 准备数据集") of its FrozenLake example.
+Implements "Gym 接口", "3. 注册" and "4. 准备数据集" of ms-swift's GYM-env page
+(https://github.com/modelscope/ms-swift/blob/main/docs/source/Instruction/GRPO/DeveloperGuide/GYM环境训练.md).
 
 1. An environment subclasses `Env` and implements three coroutines:
    `reset(config) -> (observation, info, system_message)`,
    `step(messages) -> (next_observation, reward, done, info)` and `close()`.
-2. It registers itself with `envs['name'] = MyEnv`, at import time of its file.
-3. `--external_plugins my_env.py` imports that file by path, so the registration takes effect.
+2. Its file registers it at import time: `envs['name'] = MyEnv`; extra reward columns go into
+   `reward_funcs['name'] = fn` (fn(messages) -> float), beside it.
+3. `--external_plugins my_env.py` imports that file by path, so the registrations take effect.
 4. Each dataset row carries `env_config`; `env_config['name']`, when present, picks the env for
    that row and overrides `--gym_env`.
 
-The names and signatures match ms-swift's `swift.rollout.gym_env`, so an env written for
-ms-swift runs here after changing only its imports, e.g.
-    from swift.rollout.gym_env import Env, envs      ->  from env import Env, envs
-    from swift.infer_engine.protocol import RolloutInferRequest  ->  from env import RolloutInferRequest
-    from swift.template import Messages              ->  from env import Messages
-
-Left out: ms-swift's example `math_env` and its token counting; env vectorisation (one env
-object per trajectory is simpler to read and is what the document describes).
+An env written for ms-swift runs here after changing only its import lines (README: "Write your
+own env"). Left out: ms-swift's `ContextManager` and env vectorisation (one env object per
+trajectory is what the document describes).
 """
 import importlib.util
 import json
@@ -26,13 +22,13 @@ import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
 Messages = List[Dict[str, Any]]  # [{'role': 'system'|'user'|'assistant', 'content': str}, ...]
 
 
 class UserError(Exception):
-    """Bad input from the user (a flag, a file, a row). train.py prints it as one line."""
+    """Bad input from the user (a flag, a file, a row). The programs print it as one line."""
 
 
 @dataclass
@@ -49,8 +45,26 @@ class RolloutInferRequest:
 
 
 class Env(ABC):
-    """A multi-turn environment: one object per trajectory, created with the row's env_config."""
+    """A multi-turn environment: one object per trajectory, created with the row's env_config.
 
+    By convention an info dict with `status: 'invalid'` marks a reply the env could not read
+    (ms-swift's FrozenLake says 'invalid_action'); train.py logs the share of the others.
+    """
+
+    # ---- optional task rules, read by train.py only (ms-swift ignores them) ----
+    default_reward_funcs: Dict[str, float] = {}  # extra reward columns and weights when no --reward_funcs is given
+
+    @classmethod
+    def eval_rows(cls, n: int) -> Optional[List[Dict[str, Any]]]:
+        """n held-out dataset rows to evaluate on; None: hold out rows of the training dataset."""
+        return None
+
+    @classmethod
+    def is_success(cls, rollout_infos: Dict[str, Any]) -> Optional[bool]:
+        """Whether a finished trajectory solved the task; None: evaluation reports the mean reward only."""
+        return None
+
+    # ---- the interface of the document ----
     def __init__(self, env_config):
         """env_config comes from the dataset row's `env_config` column."""
         self.env_config = env_config
@@ -72,6 +86,7 @@ class Env(ABC):
 
 
 envs: Dict[str, Type[Env]] = {}
+reward_funcs: Dict[str, Callable[[Messages], float]] = {}  # --reward_funcs names -> fn(messages) -> float
 
 
 def load_plugins(paths: List[str]) -> None:
@@ -91,7 +106,7 @@ def load_plugins(paths: List[str]) -> None:
 
 def env_name(row: Dict[str, Any], gym_env: str = None) -> str:
     """The env for a row: `env_config.name` when present, else the global --gym_env."""
-    return row['env_config'].get('name') or gym_env
+    return (row.get('env_config') or {}).get('name') or gym_env
 
 
 def load_dataset(path: str, gym_env: str = None) -> List[Dict[str, Any]]:

@@ -1,4 +1,5 @@
 """FrozenLake as a text environment: the document's worked example ("示例：从零写一个 FrozenLake 环境").
+The file owns every FrozenLake rule: the env, its `format` reward, its held-out maps, its success test.
 
 1. `generate_random_map(size, p, seed)`: every cell is safe ice with probability p, else a hole;
    S and G go to random distinct cells; redraw until G is reachable from S (BFS). A seed always
@@ -10,8 +11,10 @@
    off the grid leaves the player in place, as in Gymnasium), and returns:
    G -> reward 1.0, done, status 'goal';  H -> reward 0.0, done, status 'hole';
    ice -> reward 0.0, not done, status 'ok';  no readable move -> reward 0.0, not done,
-   status 'invalid', and the observation restates the format and the grid.
+   status 'invalid', and the observation restates the format, the grid and the goal line.
    The turn limit is not the env's business: the scheduler's --max_turns ends the trajectory.
+4. Registered next to the env: the `format` reward (recommended with weight 0.5), held-out maps
+   (seeds 100000.., never in data.jsonl) and success (total_reward >= 1).
 
 env_config keys: `size` (4), `p` (0.8), `seed` (None = a fresh random map each reset);
 `name` is read by the scheduler, not here.
@@ -25,7 +28,7 @@ import re
 from collections import deque
 from typing import List, Optional
 
-from env import Env, Messages, RolloutInferRequest, envs
+from env import Env, Messages, RolloutInferRequest, envs, reward_funcs
 
 MOVES = {'left': (0, -1), 'down': (1, 0), 'right': (0, 1), 'up': (-1, 0)}  # (d_row, d_col)
 
@@ -38,6 +41,8 @@ SYSTEM_PROMPT = (
 
 _TAG = re.compile(r'<action>\s*(\w+)\s*</action>', re.IGNORECASE)
 _WORD = re.compile(r'\b(up|down|left|right)\b', re.IGNORECASE)
+_ACTION_ONLY = re.compile(r'\s*<action>\s*(up|down|left|right)\s*</action>\s*', re.IGNORECASE)
+EVAL_SEED_BASE = 100_000  # held-out maps use seeds 100000.. : far from data.jsonl's 0..127
 
 
 def shortest_path(grid: List[str]) -> Optional[List[str]]:
@@ -103,14 +108,32 @@ def parse_action(reply: str) -> Optional[str]:
     - with no tag, the reply must name exactly one direction word ('I go down.' -> 'down');
     - anything else is invalid: no move, an unknown word in a tag, or several different moves
       ('up or down' -> None), so a model cannot win by listing every direction.
-    Other words around the move are allowed; the `format` reward in grpo.py asks for the bare tag.
+    Other words around the move are allowed; the `format` reward below asks for the bare tag.
     """
     tags = _TAG.findall(reply)
     moves = {m.lower() for m in (tags or _WORD.findall(reply))}
     return moves.pop() if len(moves) == 1 and moves <= MOVES.keys() else None
 
 
+def format_reward(messages: Messages) -> float:
+    """Mean over the assistant's replies of: 1 for exactly `<action>move</action>` and nothing else,
+    0.5 for a reply that names one move some other way (parse_action reads it), else 0.
+    The half credit gives a weak model a gradient towards the format before it ever hits it exactly."""
+    replies = [m['content'] for m in messages if m['role'] == 'assistant']
+    score = sum(1.0 if _ACTION_ONLY.fullmatch(r) else 0.5 if parse_action(r) else 0.0 for r in replies)
+    return score / max(len(replies), 1)
+
+
 class FrozenLakeEnv(Env):
+    default_reward_funcs = {'format': 0.5}  # what `python train.py --env frozen_lake` trains with
+
+    @classmethod
+    def eval_rows(cls, n):
+        return [{'messages': [], 'env_config': {'seed': EVAL_SEED_BASE + i}} for i in range(n)]
+
+    @classmethod
+    def is_success(cls, rollout_infos):
+        return rollout_infos.get('total_reward', 0.0) >= 1.0
 
     def __init__(self, env_config):
         super().__init__(env_config)
@@ -119,17 +142,20 @@ class FrozenLakeEnv(Env):
         seed = env_config.get('seed')
         self.seed = int(seed) if seed is not None else None
 
+    def board(self) -> str:
+        """The grid with the player, and the goal line."""
+        return f'{render(self.grid, self.row, self.col)}\n{goal_hint(self.grid, self.row, self.col)} Your move?'
+
     async def reset(self, config: RolloutInferRequest):
         self.grid = generate_random_map(self.size, self.p, self.seed)
         self.row, self.col = next((r, c) for r, line in enumerate(self.grid) for c, ch in enumerate(line) if ch == 'S')
-        observation = f'{render(self.grid, self.row, self.col)}\n{goal_hint(self.grid, self.row, self.col)} Your move?'
-        return observation, {'seed': self.seed, 'grid': self.grid}, SYSTEM_PROMPT
+        return self.board(), {'seed': self.seed, 'grid': self.grid}, SYSTEM_PROMPT
 
     async def step(self, action: Messages):
         move = parse_action(action[-1]['content'])
         if move is None:
             observation = ('Invalid reply. Answer with exactly one of <action>up</action>, <action>down</action>, '
-                           f'<action>left</action>, <action>right</action>.\n{render(self.grid, self.row, self.col)}')
+                           f'<action>left</action>, <action>right</action>.\n{self.board()}')
             return observation, 0.0, False, {'status': 'invalid', 'action': None}
         dr, dc = MOVES[move]
         self.row = min(max(self.row + dr, 0), self.size - 1)
@@ -141,11 +167,11 @@ class FrozenLakeEnv(Env):
             return f'You moved {move} and reached the goal.\n{board}', 1.0, True, {**info, 'status': 'goal'}
         if cell == 'H':
             return f'You moved {move} and fell into a hole.\n{board}', 0.0, True, {**info, 'status': 'hole'}
-        hint = goal_hint(self.grid, self.row, self.col)
-        return f'You moved {move}.\n{board}\n{hint} Your move?', 0.0, False, {**info, 'status': 'ok'}
+        return f'You moved {move}.\n{self.board()}', 0.0, False, {**info, 'status': 'ok'}
 
     async def close(self):
         pass
 
 
 envs['frozen_lake'] = FrozenLakeEnv
+reward_funcs['format'] = format_reward

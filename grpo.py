@@ -2,12 +2,13 @@
 
 Implements "--use_gym_env" and "5. （可选）叠加自定义 reward" of the GYM-env document.
 
-1. Reward columns per trajectory: one per `--reward_funcs` name, then (with --use_gym_env) the
-   env's `total_reward` last; the reward is their `--reward_weights`-weighted sum.
+1. Reward columns per trajectory: one per `--reward_funcs` name (functions registered in
+   env.reward_funcs by the task's file), then (with --use_gym_env) the env's `total_reward`
+   last; the reward is their `--reward_weights`-weighted sum.
 2. Advantage (one number per trajectory): A = (r - mean(group)) / (std(group) + eps), over the
-   --num_generations trajectories of one dataset row. A group whose rewards are all equal has
-   A = 0 everywhere: it teaches nothing (counted as `zero_adv_groups` in the logs; `with_spread`
-   picks the others, and train.py updates on those alone when beta = 0).
+   --num_generations trajectories of one dataset row, leaving out those whose env raised. A group
+   whose rewards are all equal has A = 0 everywhere: it teaches nothing (`zero_adv_groups` in the
+   logs; `with_spread` picks the others, and train.py updates on those alone when beta = 0).
 3. Per token t the model sampled (loss_mask 1), with ratio = exp(logp - logp_old):
        loss_t = -min(ratio * A, clip(ratio, 1 - epsilon, 1 + epsilon_high) * A) + beta * KL_t
    KL_t is the k3 estimator exp(ref - logp) - (ref - logp) - 1 (Schulman, "Approximating KL
@@ -21,28 +22,12 @@ Implements "--use_gym_env" and "5. （可选）叠加自定义 reward" of the GY
 Left out: the other loss variants (Dr. GRPO, GSPO, ...), entropy bonuses, importance weighting
 for the engine/trainer logprob mismatch (train.py logs the mismatch instead), reward models.
 """
-import re
-from typing import Callable, Dict, List
+from typing import List
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from env import Messages
-from frozen_lake import parse_action
-
-_ACTION_ONLY = re.compile(r'\s*<action>\s*(up|down|left|right)\s*</action>\s*', re.IGNORECASE)
-
-
-def format_reward(messages: Messages) -> float:
-    """Mean over the assistant's replies of: 1 for exactly `<action>move</action>` and nothing else,
-    0.5 for a reply that names one move some other way (frozen_lake.parse_action reads it), else 0.
-    The half credit gives a weak model a gradient towards the format before it ever hits it exactly."""
-    replies = [m['content'] for m in messages if m['role'] == 'assistant']
-    score = sum(1.0 if _ACTION_ONLY.fullmatch(r) else 0.5 if parse_action(r) else 0.0 for r in replies)
-    return score / max(len(replies), 1)
-
-
-reward_funcs: Dict[str, Callable[[Messages], float]] = {'format': format_reward}
+from env import reward_funcs
 
 
 def reward_columns(trajectories, funcs: List[str], use_gym_env: bool) -> torch.Tensor:
@@ -52,19 +37,32 @@ def reward_columns(trajectories, funcs: List[str], use_gym_env: bool) -> torch.T
     return torch.tensor(rows, dtype=torch.float32)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-4) -> torch.Tensor:
-    """(N,) rewards, consecutive groups of group_size -> (N,) advantages (std is the sample std)."""
-    grouped = rewards.view(-1, group_size)  # (groups, G)
-    advantages = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + eps)
+def group_advantages(rewards: torch.Tensor, group_size: int, valid: torch.Tensor = None,
+                     eps: float = 1e-4) -> torch.Tensor:
+    """(N,) rewards, consecutive groups of group_size -> (N,) advantages (std is the sample std).
+
+    Only valid members (valid: (N,) bool; default all) enter their group's mean and std, and an
+    invalid member gets A = 0: a trajectory whose env raised says nothing about the policy. A group
+    with fewer than two valid members gets A = 0 throughout."""
+    r = rewards.view(-1, group_size)  # (groups, G)
+    v = (torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid).view(-1, group_size).float()
+    n = v.sum(1, keepdim=True)  # (groups, 1)
+    mean = (r * v).sum(1, keepdim=True) / n.clamp(min=1)
+    std = ((r - mean) ** 2 * v).sum(1, keepdim=True).div((n - 1).clamp(min=1)).sqrt()
+    advantages = torch.where(v.bool() & (n >= 2), (r - mean) / (std + eps), 0.0)  # (groups, G)
     return advantages.view(-1)  # (N,)
 
 
-def with_spread(rewards: torch.Tensor, group_size: int) -> list[int]:
-    """Indices of the trajectories whose group's rewards are not all equal. The others have A = 0:
-    with beta = 0 they add nothing to the gradient, only tokens to the normaliser and time to the
-    update. Training on these alone is DAPO's "dynamic sampling" without its refill."""
-    spread = rewards.view(-1, group_size).std(1) > 0  # (groups,)
-    return spread.repeat_interleave(group_size).nonzero().flatten().tolist()
+def with_spread(rewards: torch.Tensor, group_size: int, valid: torch.Tensor = None) -> List[int]:
+    """Indices of the valid trajectories whose group's valid rewards are not all equal. The others
+    have A = 0: with beta = 0 they add nothing to the gradient, only tokens to the normaliser and
+    time to the update. Training on these alone is DAPO's "dynamic sampling" without its refill."""
+    valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid
+    r, v = rewards.view(-1, group_size), valid.view(-1, group_size)  # (groups, G)
+    high = torch.where(v, r, torch.tensor(-float('inf'))).max(1).values
+    low = torch.where(v, r, torch.tensor(float('inf'))).min(1).values
+    spread = (v.sum(1) >= 2) & (high > low)  # (groups,)
+    return (spread.repeat_interleave(group_size) & valid).nonzero().flatten().tolist()
 
 
 def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature: float = 1.0,

@@ -1,47 +1,32 @@
-"""Multi-turn rollouts: the hook-based `MultiTurnScheduler`, `GYMScheduler`, and the engine interface.
+"""Multi-turn rollouts: the hook-based `MultiTurnScheduler` and the document's `GYMScheduler`.
 
 Implements "启动训练" and "2. GYMScheduler 的 hook 实现" of the GYM-env document.
 
 1. `on_trajectory_start(requests)`: set up each trajectory (GYMScheduler: make the env, `reset`,
    messages = [system, user(observation)]).
-2. Each turn, every live trajectory's token ids go to the engine: `run_multi_turn` makes one
-   batched call per turn for all its trajectories (the colocate path); `run` plays one trajectory,
-   and concurrent `run`s share batched calls (the server path).
+2. Each turn, every live trajectory's token ids go to the engine (engines.py): `run_multi_turn`
+   makes one batched call per turn for all its trajectories (the colocate path); `run` plays one
+   trajectory, and concurrent `run`s share batched calls (the server path). Either way the envs'
+   resets, and the steps of one turn, run concurrently: an env that waits on I/O waits once a turn.
 3. `on_turn_end(req, completion, turn)` judges the reply and returns {'done', 'rollout_infos'}
    (GYMScheduler: `env.step`, accumulate the reward).
 4. `step(req, completion, turn)` returns {'infer_request': req} for the next turn (GYMScheduler:
    append the next observation as a user message).
 5. `on_trajectory_end(requests)` runs once per trajectory however it ended (GYMScheduler: close
-   the env). ms-swift has no such hook and leaks envs that --max_turns cuts off.
-A subclass customises by overriding hooks; the drivers stay as they are.
+   the env). A subclass customises by overriding hooks; the drivers stay as they are.
 
-Token-in, token-out: a trajectory is one token sequence. The ids the model sampled are appended
-verbatim (loss_mask 1); the chat template's own tokens and the observations are appended as
-template text, tokenized (loss_mask 0). Nothing the model wrote is re-tokenized, so the trained
-tokens are exactly the sampled ones (ms-swift issue 7328 is what happens otherwise). The price:
-hooks may only *append* messages; rewriting earlier history would need a second training
-sequence per rewrite, which this reference leaves out (the drivers raise if a hook tries).
-
-A trajectory ends for one of: 'done' (the env said so), 'max_turns', 'length' (a reply hit
---max_completion_length without finishing), 'context_limit' (another turn could overflow the
-engine's context), 'error' (the env raised; reward 0, the error recorded).
+Token-in, token-out: the sampled ids are kept verbatim (loss_mask 1), template text and
+observations are tokenized (loss_mask 0), so hooks may only *append* messages (README: "Where
+this differs from ms-swift"). A trajectory ends 'done', 'max_turns', 'length' (a reply hit
+--max_completion_length), 'context_limit' or 'error' (the env raised). Left out: rewriting
+history (ms-swift's ContextManager), which would need a training sequence per rewrite.
 """
 import asyncio
 from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-import torch
-
 from env import RolloutInferRequest, envs
-
-
-@dataclass
-class Completion:
-    """What an engine returns for one prompt."""
-    token_ids: List[int]  # the sampled ids, verbatim, stop token included
-    logprobs: List[float]  # the engine's log-probability of each sampled id
-    finish_reason: str  # 'stop' (the model ended its turn) or 'length' (cut at max_tokens)
 
 
 @dataclass
@@ -54,36 +39,6 @@ class Trajectory:
     rollout_infos: Dict[str, Any] = field(default_factory=dict)
     stop_reason: Optional[str] = None
     num_turns: int = 0
-
-
-class HFEngine:
-    """The engine interface, on transformers' `generate`: token ids in, Completions out.
-
-    Any object with `generate(prompts, max_tokens, temperature) -> List[Completion]` will do;
-    train.py's VLLMEngine is the other one. temperature 0 means greedy.
-    """
-
-    def __init__(self, model, tokenizer):
-        self.model, self.tokenizer = model, tokenizer
-
-    @torch.no_grad()
-    def generate(self, prompts: List[List[int]], max_tokens: int, temperature: float) -> List[Completion]:
-        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
-        width = max(map(len, prompts))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # (B, width), left-padded
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-        out = self.model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=temperature > 0,
-            temperature=temperature or None, top_k=0, top_p=1.0, pad_token_id=pad, eos_token_id=eos,
-            output_logits=True, return_dict_in_generate=True)
-        new = out.sequences[:, width:]  # (B, T)
-        logits = torch.stack(out.logits, dim=1).float() / (temperature or 1.0)  # (B, T, V)
-        logprobs = logits.log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, T)
-        completions = []
-        for row, lp in zip(new.tolist(), logprobs.tolist()):
-            n = row.index(eos) + 1 if eos in row else len(row)
-            completions.append(Completion(row[:n], lp[:n], 'stop' if eos in row else 'length'))
-        return completions
 
 
 class MultiTurnScheduler:
@@ -103,11 +58,11 @@ class MultiTurnScheduler:
     async def on_trajectory_start(self, requests: List[RolloutInferRequest]) -> Optional[Dict[str, str]]:
         """Prepare each request's messages. May return {uuid: error} for requests that cannot start."""
 
-    async def on_turn_end(self, req: RolloutInferRequest, completion: Completion, turn: int) -> Dict[str, Any]:
+    async def on_turn_end(self, req: RolloutInferRequest, completion, turn: int) -> Dict[str, Any]:
         """Judge the newest reply: {'done': bool, 'rollout_infos': dict, optional 'stop_reason'}."""
         return {'done': False}
 
-    async def step(self, req: RolloutInferRequest, completion: Completion, turn: int) -> Dict[str, Any]:
+    async def step(self, req: RolloutInferRequest, completion, turn: int) -> Dict[str, Any]:
         """The request for the next turn: {'infer_request': req}. Only append to req.messages."""
         return {'infer_request': req}
 
@@ -138,14 +93,13 @@ class MultiTurnScheduler:
                     break
                 completions = self.engine.generate([t.token_ids for t in live], self.max_completion_length,
                                                    self.temperature)
-                for t, completion in zip(live, completions):
-                    await self._play_turn(t, completion, turn)
+                await asyncio.gather(*[self._play_turn(t, c, turn) for t, c in zip(live, completions)])
         finally:
             await self._end(trajectories)
         return trajectories
 
     # ---- plumbing shared by both drivers ----
-    async def _generate_one(self, prompt: List[int]) -> Completion:
+    async def _generate_one(self, prompt: List[int]):
         """Queue a prompt; the first one queued schedules a flush, which runs once every coroutine
         that was ready has queued its own prompt (asyncio runs ready callbacks in order)."""
         loop = asyncio.get_running_loop()
@@ -187,7 +141,7 @@ class MultiTurnScheduler:
                     t.stop_reason = 'context_limit'
         return trajectories
 
-    async def _play_turn(self, t: Trajectory, completion: Completion, turn: int):
+    async def _play_turn(self, t: Trajectory, completion, turn: int):
         sampled = completion.token_ids
         self._append(t, sampled, sampled=True, logprobs=completion.logprobs)
         self._append(t, self.turn_closer[1:] if sampled[-1:] == self.turn_closer[:1] else self.turn_closer)
@@ -237,19 +191,19 @@ class GYMScheduler(MultiTurnScheduler):
         self._envs, self._infos, self._pending_obs = {}, {}, {}
 
     async def on_trajectory_start(self, requests):
-        failed = {}
-        for req in requests:
-            env_config = req.data_dict.get('env_config') or {}
-            self._infos[req.uuid] = {'total_reward': 0.0, 'step_rewards': [], 'step_infos': []}
-            try:
-                self._envs[req.uuid] = env = envs[env_config.get('name') or self.gym_env](env_config)
-                observation, info, system_message = await env.reset(req)
-            except Exception as e:
-                failed[req.uuid] = f'reset: {type(e).__name__}: {e}'
-                continue
-            self._infos[req.uuid]['reset_info'] = info
-            req.messages = [{'role': 'system', 'content': system_message}, {'role': 'user', 'content': observation}]
-        return failed
+        errors = await asyncio.gather(*[self._reset(req) for req in requests])  # resets overlap
+        return {req.uuid: error for req, error in zip(requests, errors) if error}
+
+    async def _reset(self, req) -> Optional[str]:
+        env_config = req.data_dict.get('env_config') or {}
+        self._infos[req.uuid] = {'total_reward': 0.0, 'step_rewards': [], 'step_infos': []}
+        try:
+            self._envs[req.uuid] = env = envs[env_config.get('name') or self.gym_env](env_config)
+            observation, info, system_message = await env.reset(req)
+        except Exception as e:
+            return f'reset: {type(e).__name__}: {e}'
+        self._infos[req.uuid]['reset_info'] = info
+        req.messages = [{'role': 'system', 'content': system_message}, {'role': 'user', 'content': observation}]
 
     async def on_turn_end(self, req, completion, turn):
         infos = self._infos[req.uuid]
@@ -278,6 +232,13 @@ class GYMScheduler(MultiTurnScheduler):
                     await env.close()
                 except Exception as e:  # a failing close must not take the batch down
                     print(f'warning: closing env for {req.uuid} failed: {type(e).__name__}: {e}')
+
+
+def requests_for(rows, group_size) -> List[RolloutInferRequest]:
+    """group_size requests per dataset row, consecutive, each with its own uuid and a copy of the row."""
+    return [RolloutInferRequest(messages=deepcopy(row.get('messages', [])),
+                                data_dict=deepcopy({k: v for k, v in row.items() if k != 'messages'}))
+            for row in rows for _ in range(group_size)]
 
 
 def rollout(scheduler: MultiTurnScheduler, requests: List[RolloutInferRequest]) -> List[Trajectory]:

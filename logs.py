@@ -1,0 +1,154 @@
+"""What a training run measures and writes, in one place (README: "Outputs and metrics").
+
+1. Held-out evaluation: one trajectory per held-out row; the mean gym reward, and success with
+   its Wilson interval when the env defines success (`Env.is_success`).
+2. A progress bar over the steps, and one readable line per step.
+3. metrics.jsonl: one record per step and one per evaluation.
+4. completions.jsonl: one line per training trajectory (the document: the env's info dicts go
+   there), with its reward columns, weighted reward and advantage.
+5. Two decoded trajectories per evaluation, the model's own tokens in [[...]].
+6. curve.png at the end: training reward per step, held-out success (or reward) with its interval.
+Left out: TensorBoard / wandb.
+"""
+import json
+import math
+import os
+import time
+from typing import Optional
+
+from scheduler import Trajectory
+
+
+def valid_share(trajectories) -> Optional[float]:
+    """Share of env steps whose info does not say `status: invalid`; None when the env reports no status."""
+    statuses = [i['status'] for t in trajectories for i in t.rollout_infos.get('step_infos', []) if 'status' in i]
+    return sum(s not in ('invalid', 'invalid_action') for s in statuses) / len(statuses) if statuses else None
+
+
+def success_interval(successes: int, n: int, z: float = 1.96):
+    """Wilson 95% interval of a success rate."""
+    p = successes / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def evaluate(rollouts, rows, env_cls, temperature: float) -> dict:
+    """One trajectory per held-out row: the mean gym reward, and success with its interval when the
+    env says what success is."""
+    trajectories = rollouts.rollout(rows, 1, temperature)
+    result = {'reward': sum(t.rollout_infos.get('total_reward', 0.0) for t in trajectories) / len(trajectories)}
+    wins = [env_cls.is_success(t.rollout_infos) for t in trajectories]
+    if None not in wins:
+        low, high = success_interval(sum(wins), len(wins))
+        result.update({'success': sum(wins) / len(wins), 'success_low': low, 'success_high': high})
+    return {**result, 'valid_actions': valid_share(trajectories),
+            'turns': sum(t.num_turns for t in trajectories) / len(trajectories), 'examples': trajectories[:2]}
+
+
+def show(trajectory: Trajectory, tokenizer) -> str:
+    """A trajectory decoded for the log, with the model's own tokens in [[...]]."""
+    text, ids, mask = '', trajectory.token_ids, trajectory.loss_mask
+    start = 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or mask[i] != mask[start]:
+            piece = tokenizer.decode(ids[start:i])
+            text += f'[[{piece}]]' if mask[start] else piece
+            start = i
+    infos = trajectory.rollout_infos
+    return text + f"\n  -> {infos.get('stop_reason')}, reward {infos.get('total_reward')}"
+
+
+def fmt(value, spec: str) -> str:
+    return 'n/a' if value is None else format(value, spec)
+
+
+class RunLog:
+    def __init__(self, output_dir: str, tokenizer, column_names, gym_env: str):
+        self.output_dir, self.tokenizer, self.column_names, self.gym_env = output_dir, tokenizer, column_names, gym_env
+        self.metrics = open(os.path.join(output_dir, 'metrics.jsonl'), 'a')
+        self.completions = open(os.path.join(output_dir, 'completions.jsonl'), 'a')
+
+    def progress(self, steps, start: int, total: int):
+        from tqdm import tqdm
+        return tqdm(steps, desc='steps', initial=start, total=total)
+
+    def _write(self, record: dict):
+        self.metrics.write(json.dumps(record) + '\n')
+        self.metrics.flush()
+
+    def step(self, step: int, trajectories, columns, rewards, advantages, group_size: int, stats: dict):
+        """metrics.jsonl and completions.jsonl records of one step, and its line."""
+        from tqdm import tqdm
+        grouped = rewards.view(-1, group_size)  # (groups, G)
+        record = {
+            'step': step,
+            'reward': rewards.mean().item(),
+            **{f'reward/{n}': columns[:, i].mean().item() for i, n in enumerate(self.column_names)},
+            'zero_adv_groups': (grouped.std(1) == 0).float().mean().item(),
+            'env_errors': sum(t.stop_reason == 'error' for t in trajectories),
+            'valid_actions': valid_share(trajectories),
+            'turns': sum(t.num_turns for t in trajectories) / len(trajectories),
+            'sampled_tokens': sum(sum(t.loss_mask) for t in trajectories),
+            **stats,
+        }
+        self._write(record)
+        for t, r, a, col in zip(trajectories, rewards.tolist(), advantages.tolist(), columns.tolist()):
+            self.completions.write(json.dumps({
+                'step': step, 'env': (t.request.data_dict.get('env_config') or {}).get('name') or self.gym_env,
+                'env_config': t.request.data_dict.get('env_config'), 'messages': t.request.messages,
+                'rewards': dict(zip(self.column_names, col)), 'reward': r, 'advantage': a,
+                'rollout_infos': t.rollout_infos}) + '\n')
+        self.completions.flush()
+        gym = record.get('reward/gym')
+        tqdm.write(f"step {step}: reward {record['reward']:.3f} gym {fmt(gym, '.3f')} "
+                   f"valid {fmt(record['valid_actions'], '.0%')} turns {record['turns']:.1f} "
+                   f"zero-adv {record['zero_adv_groups']:.0%} env-errors {record['env_errors']} "
+                   f"loss {stats['loss']:.4f} kl {stats['kl']:.4f} gap {fmt(stats['logprob_gap'], '.2e')} "
+                   f"| rollout {stats['rollout_s']:.0f}s train {stats['train_s']:.0f}s sync {stats['sync_s']:.1f}s")
+
+    def evaluation(self, step: int, tag: str, rollouts, rows, env_cls, temperature: float) -> dict:
+        """Evaluate; print its line and two examples; write its metrics.jsonl record."""
+        t0 = time.time()
+        result = evaluate(rollouts, rows, env_cls, temperature)
+        seconds, examples = time.time() - t0, result.pop('examples')
+        score = f"reward {result['reward']:.3f}"
+        if 'success' in result:
+            score = f"success {result['success']:.1%} [{result['success_low']:.1%}, {result['success_high']:.1%}]"
+        print(f"eval {tag} step {step}: {score}, valid actions {fmt(result['valid_actions'], '.1%')}, "
+              f"turns {result['turns']:.2f} ({seconds:.0f}s)")
+        for example in examples:
+            print('  example:', show(example, self.tokenizer).replace('\n', '\n  '))
+        self._write({'step': step, **{f'eval/{k}': v for k, v in result.items()}})
+        return result
+
+    def finish(self, before, after):
+        """The before/after line and curve.png."""
+        if before and after:
+            key = 'success' if 'success' in after else 'reward'
+            print(f'held-out {key}: before {before[key]:.3f} -> after {after[key]:.3f}')
+        plot(self.output_dir)
+
+
+def plot(output_dir: str):
+    """curve.png: training gym reward per step and held-out success (or reward) against steps."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    records = [json.loads(line) for line in open(os.path.join(output_dir, 'metrics.jsonl'))]
+    steps = [r for r in records if 'loss' in r]
+    evals = [r for r in records if 'eval/reward' in r]
+    key = 'reward/gym' if any('reward/gym' in r for r in steps) else 'reward'
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r['step'] for r in steps], [r[key] for r in steps], alpha=0.5, label=f'training {key} (sampled)')
+    if evals and 'eval/success' in evals[-1]:
+        ax.errorbar([r['step'] for r in evals], [r['eval/success'] for r in evals], marker='o', capsize=3,
+                    yerr=[[r['eval/success'] - r['eval/success_low'] for r in evals],
+                          [r['eval/success_high'] - r['eval/success'] for r in evals]],
+                    label='held-out success (95% CI)')
+    elif evals:
+        ax.plot([r['step'] for r in evals], [r['eval/reward'] for r in evals], marker='o', label='held-out reward')
+    ax.set(xlabel='step', title=os.path.basename(os.path.abspath(output_dir)))
+    ax.legend()
+    fig.savefig(os.path.join(output_dir, 'curve.png'), dpi=120, bbox_inches='tight')
+    plt.close(fig)
