@@ -1,27 +1,18 @@
-"""FrozenLake as a text environment: the document's worked example ("示例：从零写一个 FrozenLake 环境").
-The file owns every FrozenLake rule: the env, its `format` reward, its held-out maps, its success test.
+"""FrozenLake as a text env: the document's example ("示例：从零写一个 FrozenLake 环境"), every rule in one file.
 
-1. `generate_random_map(size, p, seed)`: every cell is safe ice with probability p, else a hole;
-   S and G go to random distinct cells; redraw until G is reachable from S (BFS). A seed always
-   gives the same map, on every machine (Python's `random.Random` is specified to be portable).
-2. `reset` renders the grid in ASCII (S start, G goal, H hole, F ice, P the player), adds where
-   the goal lies from the player ('The goal is 2 down and 1 left of you.'), and returns that as the
-   first user message, with SYSTEM_PROMPT as the system message.
-3. `step` reads one move from the model's latest reply (see `parse_action`), moves one cell (a move
-   off the grid leaves the player in place, as in Gymnasium), and returns:
-   G -> reward 1.0, done, status 'goal';  H -> reward 0.0, done, status 'hole';
-   ice -> reward 0.0, not done, status 'ok';  no readable move -> reward 0.0, not done,
-   status 'invalid', and the observation restates the format, the grid and the goal line.
-   The turn limit is not the env's business: the scheduler's --max_turns ends the trajectory.
-4. Registered next to the env: the `format` reward (recommended with weight 0.5), held-out maps
-   (seeds 100000.., never in data.jsonl) and success (total_reward >= 1).
+1. `generate_random_map(size, p, seed)`: each cell is ice with probability p, else a hole; S and G
+   at random distinct cells; redrawn until G is reachable (BFS). A seed gives the same map anywhere.
+2. `reset`: the grid in ASCII (S start, G goal, H hole, F ice, P the player) and where the goal lies
+   ('The goal is 2 down and 1 left of you.') as the first user message; SYSTEM_PROMPT as system.
+3. `step`: one move read from the reply (`parse_action`), one cell (off the grid: stay, as in
+   Gymnasium). G: reward 1, done, status 'goal'; H: 0, done, 'hole'; ice: 0, 'ok'; no readable
+   move: 0, 'invalid', and the format restated. --max_turns, not the env, ends a long walk.
+4. Beside the env: its `format` reward (weight 0.5 by default), held-out maps (seeds 100000..,
+   never in data.jsonl) and its success test (total_reward >= 1).
+env_config keys: `size` (4), `p` (0.8), `seed` (None: a fresh map each reset).
 
-env_config keys: `size` (4), `p` (0.8), `seed` (None = a fresh random map each reset);
-`name` is read by the scheduler, not here.
-
-The dynamics equal Gymnasium's `FrozenLake-v1(desc=..., is_slippery=False)`; test_all.py checks
-that step by step. Left out: slippery ice, and ms-swift's fallback that takes the *last* direction
-word of an untagged reply (it rewards a model that lists every direction; see parse_action).
+The dynamics equal Gymnasium's `FrozenLake-v1(desc=..., is_slippery=False)` (test_all.py checks).
+Left out: slippery ice; ms-swift's reading of the *last* direction word of an untagged reply.
 """
 import random
 import re

@@ -101,10 +101,12 @@ class RunLog:
                 'rollout_infos': t.rollout_infos}) + '\n')
         self.completions.flush()
         gym = record.get('reward/gym')
+        variants = ''.join(f' {key} {stats[key]:.3g}' for key in ('resample_rounds', 'overlong_filtered', 'is_clipped')
+                           if stats.get(key))  # what a switched-on variant did, when it did something
         tqdm.write(f"step {step}: reward {record['reward']:.3f} gym {fmt(gym, '.3f')} "
                    f"valid {fmt(record['valid_actions'], '.0%')} turns {record['turns']:.1f} "
                    f"zero-adv {record['zero_adv_groups']:.0%} env-errors {record['env_errors']} "
-                   f"loss {stats['loss']:.4f} kl {stats['kl']:.4f} gap {fmt(stats['logprob_gap'], '.2e')} "
+                   f"loss {stats['loss']:.4f} kl {stats['kl']:.4f} gap {fmt(stats['logprob_gap'], '.2e')}{variants} "
                    f"| rollout {stats['rollout_s']:.0f}s train {stats['train_s']:.0f}s sync {stats['sync_s']:.1f}s")
 
     def evaluation(self, step: int, tag: str, rollouts, rows, env_cls, temperature: float) -> dict:
@@ -125,8 +127,8 @@ class RunLog:
     def finish(self, before, after):
         """The before/after line and curve.png."""
         if before and after:
-            key = 'success' if 'success' in after else 'reward'
-            print(f'held-out {key}: before {before[key]:.3f} -> after {after[key]:.3f}')
+            key, spec = ('success', '.1%') if 'success' in after else ('reward', '.3f')
+            print(f'held-out {key}: before {before[key]:{spec}} -> after {after[key]:{spec}}')
         plot(self.output_dir)
 
 

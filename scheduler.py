@@ -1,25 +1,18 @@
 """Multi-turn rollouts: the hook-based `MultiTurnScheduler` and the document's `GYMScheduler`.
 
 Implements "启动训练" and "2. GYMScheduler 的 hook 实现" of the GYM-env document.
-
-1. `on_trajectory_start(requests)`: set up each trajectory (GYMScheduler: make the env, `reset`,
-   messages = [system, user(observation)]).
-2. Each turn, every live trajectory's token ids go to the engine (engines.py): `run_multi_turn`
-   makes one batched call per turn for all its trajectories (the colocate path); `run` plays one
-   trajectory, and concurrent `run`s share batched calls (the server path). Either way the envs'
-   resets, and the steps of one turn, run concurrently: an env that waits on I/O waits once a turn.
-3. `on_turn_end(req, completion, turn)` judges the reply and returns {'done', 'rollout_infos'}
-   (GYMScheduler: `env.step`, accumulate the reward).
+1. `on_trajectory_start(requests)`: set up each trajectory (GYMScheduler: make the env, `reset`).
+2. Each turn the live trajectories' token ids go to the engine (engines.py): `run_multi_turn` makes
+   one batched call per turn (colocate); concurrent `run`s share calls (server). The envs' resets,
+   and the steps of one turn, run concurrently: an env waiting on I/O waits once a turn.
+3. `on_turn_end(req, completion, turn)` judges the reply: {'done', 'rollout_infos'} (`env.step`).
 4. `step(req, completion, turn)` returns {'infer_request': req} for the next turn (GYMScheduler:
-   append the next observation as a user message).
-5. `on_trajectory_end(requests)` runs once per trajectory however it ended (GYMScheduler: close
-   the env). A subclass customises by overriding hooks; the drivers stay as they are.
+   append the next observation). Hooks may only *append* messages: token-in, token-out.
+5. `on_trajectory_end(requests)` runs once per trajectory however it ended (close the env).
+Sampled ids are kept verbatim (loss_mask 1); template text and observations are tokenized (0).
+A trajectory ends 'done', 'max_turns', 'length', 'context_limit' or 'error' (the env raised).
 
-Token-in, token-out: the sampled ids are kept verbatim (loss_mask 1), template text and
-observations are tokenized (loss_mask 0), so hooks may only *append* messages (README: "Where
-this differs from ms-swift"). A trajectory ends 'done', 'max_turns', 'length' (a reply hit
---max_completion_length), 'context_limit' or 'error' (the env raised). Left out: rewriting
-history (ms-swift's ContextManager), which would need a training sequence per rewrite.
+Left out: rewriting history (ms-swift's ContextManager), which needs a training sequence per rewrite.
 """
 import asyncio
 from copy import deepcopy

@@ -1,20 +1,15 @@
 """Server mode: the rollout server, holding vLLM, the GYMScheduler and the envs, on FastAPI.
 
-The document's server mode ("Server 模式"): `swift rollout ...` in one process or machine, the
-trainer with `--vllm_mode server --vllm_server_pass_dataset true` in another. Here:
-
+The document's "Server 模式" (`swift rollout`; the trainer with `--vllm_mode server`):
     python server.py --gym_env frozen_lake --max_turns 10                                  # terminal 1
     python train.py --env frozen_lake --vllm_mode server --vllm_server_pass_dataset true   # terminal 2
-
-1. GET /health -> {fingerprint, boot, max_turns, gym_env}: the trainer refuses a server with
-   another architecture, tokenizer or --max_turns, and notices a restart (a new boot id).
+1. GET /health -> {fingerprint, boot, max_turns, gym_env}: the trainer refuses another
+   architecture, tokenizer or --max_turns, and notices a restart (a new boot id).
 2. POST /rollout {rows, num_generations, temperature, max_completion_length} -> {trajectories}:
-   every trajectory is played by GYMScheduler.run(), all concurrently (turns that wait together
-   share one vLLM call), and comes back whole: token ids, loss mask, logprobs, messages, infos.
+   each played by GYMScheduler.run(), all concurrently, and returned whole (ids, masks, logprobs).
 3. POST /update_weights, body = the state dict in safetensors format (no pickle over the wire).
-Who owns what: the server owns the game (--gym_env, --max_turns, --external_plugins, the
-context length); the trainer sends its sampling settings with every request. Requests beyond
---max_trajectories or the body limits are refused with 413; /health answers during a rollout.
+The server owns the game (--gym_env, --max_turns, plugins); the trainer sends its sampling
+settings with each request. Oversized requests get 413; /health answers during a rollout.
 
 Left out: several servers, asynchronous rollouts, TLS and authentication (it listens on
 127.0.0.1 unless --host says otherwise: expose it only on a network you trust).

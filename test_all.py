@@ -25,9 +25,9 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 import torch
 
+import config
 import frozen_lake
 import grpo
-import train
 from engines import Colocated, Completion, Engine
 from env import Env, RolloutInferRequest, UserError, envs, load_dataset, load_plugins, reward_funcs
 from frozen_lake import MOVES, generate_random_map, parse_action, shortest_path
@@ -440,12 +440,18 @@ envs['guess'] = GuessEnv
     (['--eval_size', '-1'], '--eval_size -1: not negative'),
     (['--temperature', '-1'], '--temperature -1.0: must be above 0'),
     (['--vllm_mode', 'remote'], '--vllm_mode remote: choose from colocate, server'),
+    (['--loss_type', 'ppo'], '--loss_type ppo: choose from bnpo, grpo, dr_grpo, dapo'),
+    (['--advantage_estimator', 'gae'], '--advantage_estimator gae: choose from grpo, rloo'),
+    (['--scale_rewards', 'max'], '--scale_rewards max: choose from group, batch, none'),
+    (['--importance_sampling_level', 'word'], '--importance_sampling_level word: choose from token, sequence'),
+    (['--rollout_importance_sampling_mode', 'clip'], '--rollout_importance_sampling_mode clip: choose from token_truncate, '),
+    (['--rollout_importance_sampling_threshold', '0.5'], '--rollout_importance_sampling_threshold 0.5: at least 1'),
     (['--model', '/no/such/folder'], '--model /no/such/folder: no such folder'),
     (['--rows_per_step', '500'], '--rows_per_step 500: there are 128 training rows in data.jsonl'),
 ])
 def test_bad_flags_are_refused_in_one_line(flags, message):
     with pytest.raises(UserError) as e:
-        train.check_args(train.parse_args(flags))
+        config.check_args(config.parse_args(flags))
     assert str(e.value).startswith(message) and '\n' not in str(e.value), str(e.value)
 
 
@@ -462,19 +468,19 @@ def test_help_works(program):
 
 
 def test_each_task_brings_its_own_rewards_and_held_out_rows(tmp_path):
-    rows, eval_rows, env_cls, names, weights = train.check_args(train.parse_args([]))
+    rows, eval_rows, env_cls, names, weights = config.check_args(config.parse_args([]))
     assert (names, weights, env_cls, len(rows)) == (['format'], [0.5, 1.0], frozen_lake.FrozenLakeEnv, 128)
     assert [r['env_config']['seed'] for r in eval_rows] == list(range(100_000, 100_256))
-    assert train.check_args(train.parse_args(['--use_gym_env', 'false']))[3:] == (['format'], [0.5])
-    assert train.check_args(train.parse_args(['--reward_funcs', 'format']))[3:] == (['format'], [1.0, 1.0])
-    assert train.check_args(train.parse_args(['--reward_funcs']))[3:] == ([], [1.0])
+    assert config.check_args(config.parse_args(['--use_gym_env', 'false']))[3:] == (['format'], [0.5])
+    assert config.check_args(config.parse_args(['--reward_funcs', 'format']))[3:] == (['format'], [1.0, 1.0])
+    assert config.check_args(config.parse_args(['--reward_funcs']))[3:] == ([], [1.0])
     # a student's env inherits nothing from FrozenLake: no format reward, its own held-out rows
     (tmp_path / 'guess.py').write_text(GUESS_PLUGIN)
-    rows, eval_rows, env_cls, names, weights = train.check_args(
-        train.parse_args(['--external_plugins', str(tmp_path / 'guess.py'), '--gym_env', 'guess']))
+    rows, eval_rows, env_cls, names, weights = config.check_args(
+        config.parse_args(['--external_plugins', str(tmp_path / 'guess.py'), '--gym_env', 'guess']))
     assert (names, weights, len(rows), len(eval_rows)) == ([], [1.0], 115, 13)  # 10% of data.jsonl held out
     assert eval_rows[-1]['env_config'] == {'seed': 127} and env_cls.is_success({}) is None
-    assert train.check_args(train.parse_args(['--external_plugins', str(tmp_path / 'guess.py'), '--gym_env', 'guess',
+    assert config.check_args(config.parse_args(['--external_plugins', str(tmp_path / 'guess.py'), '--gym_env', 'guess',
                                               '--eval_size', '4']))[1][0]['env_config'] == {'seed': 124}
 
 
@@ -545,11 +551,112 @@ def test_errored_trajectories_are_never_trained_on():
     # the errored member still says '<action>up</action>' and would earn the format reward
     group = [trajectory('<action>up</action>', 1.0, 'done'), trajectory('hmm', 0.0, 'done'),
              trajectory('<action>up</action>', 0.0, 'error')]
-    columns, rewards, adv, keep = train.rewards_and_advantages(group, ['format'], [0.5, 1.0], True, 3, beta=0.0)
+    columns, rewards, adv, keep = grpo.rewards_and_advantages(group, ['format'], [0.5, 1.0], True, 3, beta=0.0)
     assert keep == [0, 1] and adv[2] == 0 and adv[0] > 0 > adv[1]
     flat = [trajectory('hmm', 0.0, 'done'), trajectory('hmm', 0.0, 'done'), trajectory('up', 0.0, 'error')]
-    assert train.rewards_and_advantages(flat, [], [1.0], True, 3, beta=0.0)[3] == []
-    assert train.rewards_and_advantages(flat, [], [1.0], True, 3, beta=0.1)[3] == [0, 1]  # the KL term needs them
+    assert grpo.rewards_and_advantages(flat, [], [1.0], True, 3, beta=0.0)[3] == []
+    assert grpo.rewards_and_advantages(flat, [], [1.0], True, 3, beta=0.1)[3] == [0, 1]  # the KL term needs them
+
+
+# ---------------------------------------------------------------- the GRPO variants, each by hand
+
+def test_loss_types_by_hand():
+    mask = torch.tensor([[0, 1, 1, 1], [0, 1, 0, 0]])  # 3 and 1 sampled tokens
+    logp = torch.zeros(2, 4)  # ratio 1 everywhere: loss_t = -A
+    adv = torch.tensor([1.0, -1.0])
+    expected = {'bnpo': (-3 + 1) / 4, 'dapo': (-3 + 1) / 4, 'grpo': (-1 + 1) / 2, 'dr_grpo': (-3 + 1) / (2 * 5)}
+    for loss_type, value in expected.items():
+        weights, denominator = grpo.normaliser(mask, loss_type, 2, 4, max_sampled=5)
+        loss, _ = grpo.grpo_loss(logp, logp, adv, mask, denominator=denominator, token_weights=weights)
+        assert loss.item() == pytest.approx(value), loss_type
+        halves = [grpo.grpo_loss(logp[i:i + 1], logp[i:i + 1], adv[i:i + 1], mask[i:i + 1], denominator=d,
+                                 token_weights=w)[0] for i in (0, 1) for w, d in [grpo.normaliser(
+                                     mask[i:i + 1], loss_type, 2, 4, max_sampled=5)]]
+        assert sum(halves).item() == pytest.approx(value), loss_type  # micro-batches add up to the batch
+
+
+def test_the_defaults_reproduce_the_plain_loss_exactly():
+    torch.manual_seed(0)
+    logp, old, ref = torch.randn(3, 6) / 5, torch.randn(3, 6) / 5, torch.randn(3, 6) / 5
+    mask, adv = (torch.rand(3, 6) > 0.3).long(), torch.randn(3)
+    ratio = torch.exp(logp - old)
+    per_token = -torch.min(ratio * adv[:, None], ratio.clamp(0.8, 1.2) * adv[:, None])
+    delta = ref - logp
+    plain = ((per_token + 0.1 * (torch.exp(delta) - delta - 1)) * mask.float()).sum() / 11
+    weights, denominator = grpo.normaliser(mask, config.Args().loss_type, 3, 11, max_sampled=160)
+    assert torch.equal(grpo.grpo_loss(logp, old, adv, mask, beta=0.1, ref_logprobs=ref, denominator=denominator,
+                                      token_weights=weights)[0], plain)
+
+
+def test_advantage_estimators_and_scales_by_hand():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0])
+    a = grpo.group_advantages(rewards, 3, estimator='rloo', scale='none')
+    assert torch.allclose(a, torch.tensor([1.0, -0.5, -0.5, 0.5, 0.5, -1.0]))  # r minus the mean of the others
+    s = (1 / 3) ** 0.5  # each group's sample std
+    assert torch.allclose(grpo.group_advantages(rewards, 3, estimator='rloo', eps=0.0), a / s)
+    b = 0.3 ** 0.5  # the batch's sample std: three 1s and three 0s
+    assert torch.allclose(grpo.group_advantages(rewards, 3, scale='batch', eps=0.0),
+                          torch.tensor([2 / 3, -1 / 3, -1 / 3, 1 / 3, 1 / 3, -2 / 3]) / b)
+    assert torch.allclose(grpo.group_advantages(rewards, 3, scale='none'),
+                          torch.tensor([2 / 3, -1 / 3, -1 / 3, 1 / 3, 1 / 3, -2 / 3]))
+
+
+def test_sequence_level_ratio_by_hand():
+    mask = torch.tensor([[1, 1]])
+    old = torch.zeros(1, 2)
+    logp = torch.log(torch.tensor([[1.5, 1.0]]))
+    token, _ = grpo.grpo_loss(logp, old, torch.tensor([1.0]), mask)  # min(1.5, 1.2) and 1.0
+    assert token.item() == pytest.approx(-(1.2 + 1.0) / 2)
+    sequence, _ = grpo.grpo_loss(logp, old, torch.tensor([1.0]), mask, level='sequence')  # sqrt(1.5) -> 1.2
+    assert sequence.item() == pytest.approx(-1.2)
+    sequence, _ = grpo.grpo_loss(logp, old, torch.tensor([1.0]), mask, epsilon=0.3, level='sequence')
+    assert sequence.item() == pytest.approx(-(1.5 ** 0.5))
+
+
+def test_rollout_importance_weights_by_hand():
+    mask = torch.tensor([[0, 1, 1]])
+    trainer = torch.log(torch.tensor([[1.0, 0.5, 0.5]]))
+    engine = torch.log(torch.tensor([[1.0, 0.1, 0.5]]))  # token ratios: 5 and 1; their geometric mean sqrt(5)
+    expected = {'token_truncate': ([2.0, 1.0], 0.5), 'token_mask': ([0.0, 1.0], 0.5),
+                'sequence_truncate': ([2.0, 2.0], 1.0), 'sequence_mask': ([0.0, 0.0], 1.0)}
+    for mode, (weights, share) in expected.items():
+        w, clipped = grpo.rollout_is_weights(trainer, engine, mask, mode, threshold=2.0)
+        assert torch.allclose(w[0, 1:], torch.tensor(weights)) and clipped == share, mode
+    w, _ = grpo.rollout_is_weights(trainer, engine, mask, 'token_truncate', threshold=2.0)
+    loss, _ = grpo.grpo_loss(trainer, trainer, torch.tensor([1.0]), mask, is_weights=w)
+    assert loss.item() == pytest.approx(-(2.0 + 1.0) / 2)
+
+
+def test_overlong_trajectories_are_left_out_of_the_loss_not_the_baseline():
+    def trajectory(reward, stop):
+        return Trajectory(RolloutInferRequest([]), token_ids=[1, 2], loss_mask=[0, 1], stop_reason=stop,
+                          rollout_infos={'total_reward': reward})
+    group = [trajectory(1.0, 'done'), trajectory(0.0, 'length'), trajectory(0.0, 'max_turns')]
+    _, _, kept_adv, keep = grpo.rewards_and_advantages(group, [], [1.0], True, 3, 0.0, overlong_filter=True)
+    _, _, adv, all_kept = grpo.rewards_and_advantages(group, [], [1.0], True, 3, 0.0)
+    assert (keep, all_kept) == ([0, 2], [0, 1, 2]) and torch.equal(kept_adv, adv)
+
+
+class RowRollouts:
+    """A rollout source whose rewards depend on the row: seeds 6 and 7 have spread, the others none."""
+
+    def rollout(self, rows, group_size, temperature):
+        return [Trajectory(RolloutInferRequest([], {'env_config': row['env_config']}), token_ids=[1, 2],
+                           loss_mask=[0, 1], stop_reason='done',
+                           rollout_infos={'total_reward': float(row['env_config']['seed'] >= 6 and k % 2)})
+                for row in rows for k in range(group_size)]
+
+
+def test_dynamic_sampling_refills_the_batch_with_informative_groups():
+    import train
+    rows = [{'messages': [], 'env_config': {'seed': s}} for s in range(8)]
+    args = config.Args(rows_per_step=2, num_generations=2, dynamic_sample=True, max_resample_times=10)
+    trajectories, rounds = train.play(RowRollouts(), rows, 1, args, [], [1.0])
+    assert {t.request.data_dict['env_config']['seed'] for t in trajectories} == {6, 7} and 1 <= rounds <= 6
+    plain, rounds = train.play(RowRollouts(), rows, 1, config.Args(rows_per_step=2, num_generations=2), [], [1.0])
+    assert rounds == 0 and len(plain) == 4  # off by default: the step's rows, whatever their spread
+    args = config.Args(rows_per_step=2, num_generations=2, dynamic_sample=True, max_resample_times=0)
+    assert train.play(RowRollouts(), rows, 1, args, [], [1.0])[1] == 0
 
 
 # ---------------------------------------------------------------- the rollout server's routes, on a scripted engine
@@ -699,7 +806,8 @@ def test_train_end_to_end_hf_engine_and_resume(tmp_path, tiny_model_dir):
     steps = step_records(folder)
     assert [m['step'] for m in steps] == [1, 2]
     for key in ('reward', 'reward/gym', 'zero_adv_groups', 'env_errors', 'valid_actions', 'turns', 'sampled_tokens',
-                'loss', 'kl', 'clip_ratio', 'grad_norm', 'logprob_gap', 'skipped', 'rollout_s', 'train_s', 'sync_s'):
+                'loss', 'kl', 'clip_ratio', 'is_clipped', 'grad_norm', 'logprob_gap', 'skipped', 'resample_rounds',
+                'overlong_filtered', 'rollout_s', 'train_s', 'sync_s'):
         assert all(key in m for m in steps), key
     assert all(m['env_errors'] == 2 for m in steps)  # the failing row's group, every step
     assert all(m['logprob_gap'] < 1e-4 for m in steps)  # measured before the update moved the weights
@@ -779,11 +887,14 @@ def test_vllm_logprobs_match_trainer_before_and_after_a_sync(tiny_model_dir):
 
 @slow
 @vllm_available
-def test_train_end_to_end_colocated_vllm(tmp_path, tiny_model_dir):
-    out = run_train(tmp_path, tiny_model_dir, '--engine', 'vllm', '--eval_size', '0')
+def test_train_end_to_end_colocated_vllm_with_every_variant(tmp_path, tiny_model_dir):
+    variants = ['--loss_type', 'dr_grpo', '--advantage_estimator', 'rloo', '--scale_rewards', 'batch',
+                '--dynamic_sample', 'true', '--max_resample_times', '1', '--importance_sampling_level', 'sequence', '--rollout_importance_sampling_mode', 'token_truncate']
+    out = run_train(tmp_path, tiny_model_dir, '--engine', 'vllm', '--eval_size', '0', *variants)
     assert 'engine: vllm' in out and 'eval ' not in out  # --eval_size 0: no evaluation
-    gaps = [m['logprob_gap'] for m in step_records(tmp_path / 'out')]
-    assert len(gaps) == 2 and all(g < 1e-3 for g in gaps)
+    steps = step_records(tmp_path / 'out')
+    assert len(steps) == 2 and all(m['logprob_gap'] < 1e-3 and m['is_clipped'] == 0.0 for m in steps)
+    assert all(m['resample_rounds'] in (0, 1) for m in steps)
     for noise in ('FutureWarning', 'Triton', 'NUMA', 'Loading weights', 'Loading safetensors'):
         assert noise not in out, noise
 

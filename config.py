@@ -1,0 +1,173 @@
+"""The flags of train.py and every check that can run before a model loads.
+
+1. `Args`: one flat, documented list of flags; the names are ms-swift's where the concept is the
+   same, so a command line carries over (README: "Flags").
+2. `parse_args` builds the command line from it; `check_args` refuses bad input in one line
+   (UserError) before anything heavy: ranges, choices, plugins, the dataset.
+3. The task's own rules come from its env class: `reward_setup` (its extra reward columns and
+   weights, unless the flags say otherwise) and `held_out` (its held-out rows, else a share of
+   the dataset).
+"""
+import argparse
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from env import UserError, envs, load_dataset, load_plugins, reward_funcs
+
+
+@dataclass
+class Args:
+    # ---- environment and data (flag names as in ms-swift) ----
+    gym_env: str = field(default='frozen_lake', metadata={'help': 'env for rows without env_config.name (alias --env)'})
+    external_plugins: List[str] = field(default_factory=list, metadata={'help': 'python files that register envs and rewards'})
+    multi_turn_scheduler: str = field(default='gym_scheduler', metadata={'help': 'only gym_scheduler is built in'})
+    use_gym_env: bool = field(default=True, metadata={'help': "use the env's total_reward as the last reward column"})
+    dataset: str = field(default='data.jsonl', metadata={'help': 'JSONL rows with messages and env_config'})
+    split_dataset_ratio: float = field(default=0.1, metadata={'help': 'share of --dataset held out for evaluation, for envs without held-out rows of their own'})
+    max_turns: int = field(default=10, metadata={'help': 'most model replies per trajectory (server mode: must equal the server\'s)'})
+    # ---- model and engine ----
+    model: Optional[str] = field(default=None, metadata={'help': 'local folder or hub id; default: the embedded SmolLM2-135M-Instruct'})
+    engine: str = field(default='auto', metadata={'help': 'rollout engine: vllm, hf, or auto (vllm when it can start)'})
+    vllm_mode: str = field(default='colocate', metadata={'help': 'colocate: vLLM inside this process; server: rollouts from server.py'})
+    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={'help': 'CUDA: share of GPU memory vLLM may take'})
+    vllm_kv_cache_gib: float = field(default=0.5, metadata={'help': 'CPU: GiB of RAM for the vLLM KV cache'})
+    vllm_server_host: str = field(default='127.0.0.1', metadata={'help': 'server mode: the rollout server address'})
+    vllm_server_port: int = field(default=8000, metadata={'help': 'server mode: the rollout server port'})
+    vllm_server_pass_dataset: bool = field(default=False, metadata={'help': "server mode: send each row's env_config to the server's envs"})
+    vllm_server_timeout: float = field(default=240.0, metadata={'help': 'server mode: seconds to wait for an answer before giving up'})
+    vllm_max_model_len: int = field(default=2048, metadata={'help': 'longest trajectory, prompt included, in tokens'})
+    # ---- GRPO ----
+    num_generations: int = field(default=8, metadata={'help': 'trajectories per row (the group size), at least 2'})
+    rows_per_step: int = field(default=4, metadata={'help': 'dataset rows per optimizer step'})
+    reward_funcs: Optional[List[str]] = field(default=None, metadata={'help': "extra reward columns (names the env files register); default: the env's own choice (frozen_lake: format)"})
+    reward_weights: Optional[List[float]] = field(default=None, metadata={'help': "one weight per column, the gym reward last; default: the env's own choice, else all 1"})
+    loss_type: str = field(default='bnpo', metadata={'help': 'loss normaliser: bnpo/dapo (tokens of the batch), grpo (per trajectory; ms-swift\'s default), dr_grpo'})
+    advantage_estimator: str = field(default='grpo', metadata={'help': 'grpo (group mean baseline) or rloo (leave-one-out baseline)'})
+    scale_rewards: str = field(default='group', metadata={'help': 'divide advantages by the std of the group, the batch, or none'})
+    dynamic_sample: bool = field(default=False, metadata={'help': 'DAPO: replace groups without reward spread by fresh rows'})
+    max_resample_times: int = field(default=3, metadata={'help': 'with --dynamic_sample: most extra rollout rounds a step'})
+    overlong_filter: bool = field(default=False, metadata={'help': 'leave trajectories cut by a length limit out of the loss'})
+    importance_sampling_level: str = field(default='token', metadata={'help': 'token ratios, or sequence (GSPO: one ratio per trajectory)'})
+    rollout_importance_sampling_mode: Optional[str] = field(default=None, metadata={'help': 'engine/trainer mismatch correction: token_truncate, token_mask, sequence_truncate, sequence_mask (default off)'})
+    rollout_importance_sampling_threshold: float = field(default=2.0, metadata={'help': 'upper bound of those weights'})
+    beta: float = field(default=0.0, metadata={'help': 'KL penalty to the starting model (0: no reference model kept)'})
+    epsilon: float = field(default=0.2, metadata={'help': 'lower clip range of the ratio'})
+    epsilon_high: Optional[float] = field(default=None, metadata={'help': 'upper clip range (default: --epsilon)'})
+    num_iterations: int = field(default=1, metadata={'help': 'optimizer passes over each batch'})
+    temperature: float = field(default=0.8, metadata={'help': 'sampling temperature of training rollouts (> 0)'})
+    max_completion_length: int = field(default=16, metadata={'help': 'most tokens in one reply'})
+    learning_rate: float = field(default=2e-5, metadata={'help': 'AdamW learning rate'})
+    micro_batch_size: int = field(default=4, metadata={'help': 'trajectories per forward/backward (memory, not math)'})
+    gradient_checkpointing: bool = field(default=True, metadata={'help': 'recompute activations in backward: less memory, about a third more time'})
+    max_grad_norm: float = field(default=1.0, metadata={'help': 'gradient clipping'})
+    # ---- run ----
+    max_steps: int = field(default=60, metadata={'help': 'optimizer steps'})
+    eval_steps: int = field(default=20, metadata={'help': 'evaluate every N steps (0: only before and after)'})
+    eval_size: int = field(default=256, metadata={'help': 'most held-out rows to evaluate on (0: no evaluation)'})
+    eval_temperature: float = field(default=0.0, metadata={'help': 'sampling temperature of evaluation (0: greedy)'})
+    eval_only: bool = field(default=False, metadata={'help': 'evaluate --model and stop'})
+    save_steps: int = field(default=20, metadata={'help': 'checkpoint every N steps (and at the end)'})
+    output_dir: str = field(default='output', metadata={'help': 'metrics, completions, checkpoints, plot'})
+    resume: bool = field(default=False, metadata={'help': 'continue from the latest checkpoint in --output_dir'})
+    seed: int = field(default=0, metadata={'help': "picks each step's rows; seeds vLLM's sampler and torch"})
+
+
+def parse_args(argv=None) -> Args:
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    for f in dataclasses.fields(Args):
+        names = ['--' + f.name] + (['--env'] if f.name == 'gym_env' else [])
+        text = f.metadata['help'].replace('%', '%%')  # argparse formats help strings with %
+        if f.type == bool:
+            parser.add_argument(*names, type=lambda s: s.lower() in ('1', 'true', 'yes'), default=f.default,
+                                metavar='true|false', help=text)
+        elif f.type in (List[str], Optional[List[str]], Optional[List[float]]):
+            kind = float if f.type == Optional[List[float]] else str
+            parser.add_argument(*names, nargs='*', type=kind, default=None, help=text)
+        else:
+            kind = {Optional[str]: str, Optional[float]: float}.get(f.type, f.type)
+            parser.add_argument(*names, type=kind, default=f.default, help=text)
+    return Args(**{k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None})
+
+
+# ---------------------------------------------------------------- input checks, before anything heavy
+
+LIMITS = {  # flag: (lowest allowed, what it means)
+    'max_turns': (1, 'at least one reply'), 'num_generations': (2, 'a group needs at least 2 trajectories'),
+    'rows_per_step': (1, 'at least one row'), 'max_completion_length': (1, 'at least one token'),
+    'micro_batch_size': (1, 'at least one trajectory'), 'num_iterations': (1, 'at least one pass'),
+    'max_steps': (0, 'not negative'), 'eval_steps': (0, 'not negative'), 'eval_size': (0, 'not negative'),
+    'save_steps': (1, 'at least 1'), 'beta': (0, 'not negative'), 'epsilon': (0, 'not negative'),
+    'eval_temperature': (0, 'not negative'), 'vllm_kv_cache_gib': (0, 'not negative'),
+    'max_resample_times': (0, 'not negative'), 'rollout_importance_sampling_threshold': (1, 'at least 1'),
+}
+
+
+CHOICES = {
+    'multi_turn_scheduler': ['gym_scheduler'], 'vllm_mode': ['colocate', 'server'], 'engine': ['auto', 'vllm', 'hf'],
+    'loss_type': ['bnpo', 'grpo', 'dr_grpo', 'dapo'], 'advantage_estimator': ['grpo', 'rloo'],
+    'scale_rewards': ['group', 'batch', 'none'], 'importance_sampling_level': ['token', 'sequence'],
+    'rollout_importance_sampling_mode': [None, 'token_truncate', 'token_mask', 'sequence_truncate', 'sequence_mask'],
+}
+
+
+def check_args(args: Args):
+    """Every input check that can run before a model loads. Returns (train rows, eval rows, env class,
+    reward column names, reward weights)."""
+    for name, (low, meaning) in LIMITS.items():
+        if getattr(args, name) < low:
+            raise UserError(f'--{name} {getattr(args, name)}: {meaning}')
+    for name, value in (('temperature', args.temperature), ('learning_rate', args.learning_rate)):
+        if not value > 0:
+            raise UserError(f'--{name} {value}: must be above 0')
+    if not 0 <= args.split_dataset_ratio < 1:
+        raise UserError(f'--split_dataset_ratio {args.split_dataset_ratio}: must be in [0, 1)')
+    for name, choices in CHOICES.items():
+        if getattr(args, name) not in choices:
+            raise UserError(f'--{name} {getattr(args, name)}: choose from {", ".join(c for c in choices if c)}')
+    if args.model and not os.path.isdir(args.model) and args.model.startswith(('/', '.', '~')):
+        raise UserError(f'--model {args.model}: no such folder')
+    load_plugins(args.external_plugins)
+    if args.gym_env not in envs:
+        raise UserError(f'--gym_env {args.gym_env}: not registered; registered: {", ".join(sorted(envs))}')
+    env_cls = envs[args.gym_env]
+    names, weights = reward_setup(args, env_cls)
+    rows = load_dataset(args.dataset, args.gym_env)
+    rows, eval_rows = held_out(rows, env_cls, args.eval_size, args.split_dataset_ratio, args.dataset)
+    if args.rows_per_step > len(rows):
+        raise UserError(f'--rows_per_step {args.rows_per_step}: there are {len(rows)} training rows in {args.dataset}')
+    return rows, eval_rows, env_cls, names, weights
+
+
+def reward_setup(args: Args, env_cls):
+    """The reward columns (--reward_funcs, then the gym reward) and their weights. With neither flag
+    given, the env's own choice (`default_reward_funcs`): a plugin env gets no FrozenLake reward."""
+    own = args.reward_funcs is None
+    names = list(env_cls.default_reward_funcs) if own else args.reward_funcs
+    for name in names:
+        if name not in reward_funcs:
+            raise UserError(f'--reward_funcs {name}: unknown; registered: {", ".join(sorted(reward_funcs)) or "none"}')
+    columns = len(names) + args.use_gym_env
+    if columns == 0:
+        raise UserError('no reward: --use_gym_env is false and there are no --reward_funcs')
+    weights = args.reward_weights
+    if weights is None:
+        weights = list(env_cls.default_reward_funcs.values()) if own else [1.0] * len(names)
+        weights += [1.0] * args.use_gym_env
+    if len(weights) != columns:
+        raise UserError(f'--reward_weights: got {len(weights)}, need {columns} '
+                        f'({", ".join(names + ["gym"] * args.use_gym_env)})')
+    return names, weights
+
+
+def held_out(rows, env_cls, eval_size: int, ratio: float, dataset: str):
+    """(training rows, evaluation rows): the env's own held-out rows, else the last share of the dataset."""
+    own = env_cls.eval_rows(eval_size) if eval_size else []
+    if own is not None:
+        return rows, own
+    n = min(eval_size, math.ceil(len(rows) * ratio))
+    if n >= len(rows):
+        raise UserError(f'--split_dataset_ratio {ratio}: would hold out all {len(rows)} rows of {dataset}')
+    return rows[:len(rows) - n], rows[len(rows) - n:]
