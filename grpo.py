@@ -118,8 +118,8 @@ def token_logprobs(model, input_ids, attention_mask, loss_mask, temperature: flo
     sampled, `chunk` rows at a time under activation checkpointing: memory is then chunk x vocab,
     not batch x length x vocab.
     """
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                              use_cache=False).last_hidden_state  # (B, T, H)
+    hidden = model.get_decoder()(input_ids=input_ids, attention_mask=attention_mask,
+                                 use_cache=False).last_hidden_state  # (B, T, H)
     picked = loss_mask[:, 1:].bool()  # (B, T-1): token t+1 is predicted from position t
     h, targets = hidden[:, :-1][picked], input_ids[:, 1:][picked]  # (M, H), (M,)
     head = model.get_output_embeddings()

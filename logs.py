@@ -8,13 +8,16 @@
    there), with its reward columns, weighted reward and advantage.
 5. Two decoded trajectories per evaluation, the model's own tokens in [[...]].
 6. curve.png at the end: training reward per step, held-out success (or reward) with its interval.
-Left out: TensorBoard / wandb.
+7. With --report_to tensorboard (or wandb, offline), every number above and the decoded examples
+   go to the dashboard too. Under torchrun, rank 0 writes the records of every process.
 """
 import json
 import math
 import os
 import time
 from typing import Optional
+
+import torch
 
 from scheduler import Trajectory
 
@@ -59,27 +62,63 @@ def show(trajectory: Trajectory, tokenizer) -> str:
     return text + f"\n  -> {infos.get('stop_reason')}, reward {infos.get('total_reward')}"
 
 
+def mean(values):
+    """The mean over processes of a step's stat (one process: the value itself; None stays None)."""
+    numbers = [v for v in values if v is not None]
+    return values[0] if len(values) == 1 else sum(numbers) / len(numbers) if numbers else None
+
+
 def fmt(value, spec: str) -> str:
     return 'n/a' if value is None else format(value, spec)
 
 
 class RunLog:
-    def __init__(self, output_dir: str, tokenizer, column_names, gym_env: str):
+    """Everything a run writes. Only rank 0 of a torchrun run writes (active); the others skip."""
+
+    def __init__(self, output_dir: str, tokenizer, column_names, gym_env: str, report_to=(), active: bool = True):
         self.output_dir, self.tokenizer, self.column_names, self.gym_env = output_dir, tokenizer, column_names, gym_env
+        self.active, self.dashboards = active, []
+        if not active:
+            return
         self.metrics = open(os.path.join(output_dir, 'metrics.jsonl'), 'a')
         self.completions = open(os.path.join(output_dir, 'completions.jsonl'), 'a')
+        if 'tensorboard' in report_to:  # `tensorboard --logdir OUTPUT_DIR/runs` shows it live
+            from torch.utils.tensorboard import SummaryWriter
+            self.dashboards.append(SummaryWriter(os.path.join(output_dir, 'runs')))
+        if 'wandb' in report_to:  # offline: `wandb sync OUTPUT_DIR/wandb/offline-run-*` uploads it later
+            import wandb
+            self.dashboards.append(wandb.init(dir=output_dir, mode='offline', project='gym-grpo'))
 
     def progress(self, steps, start: int, total: int):
+        if not self.active:
+            return steps
         from tqdm import tqdm
         return tqdm(steps, desc='steps', initial=start, total=total)
 
-    def _write(self, record: dict):
+    def _write(self, record: dict, text: str = None):
+        """One metrics.jsonl record, also sent to the dashboards (numbers as scalars, `text` as text)."""
         self.metrics.write(json.dumps(record) + '\n')
         self.metrics.flush()
+        numbers = {k: v for k, v in record.items() if k != 'step' and isinstance(v, (int, float))}
+        for board in self.dashboards:
+            if hasattr(board, 'add_scalar'):  # TensorBoard
+                for key, value in numbers.items():
+                    board.add_scalar(key, value, record['step'])
+                if text:
+                    board.add_text('examples', text.replace('\n', '  \n'), record['step'])
+                board.flush()
+            else:  # wandb
+                board.log({**numbers, **({'examples': text} if text else {})}, step=record['step'])
 
-    def step(self, step: int, trajectories, columns, rewards, advantages, group_size: int, stats: dict):
-        """metrics.jsonl and completions.jsonl records of one step, and its line."""
+    def step(self, step: int, parts, group_size: int):
+        """metrics.jsonl and completions.jsonl records of one step, and its line. parts: per process,
+        (trajectories, reward columns, rewards, advantages, update stats)."""
+        if not self.active:
+            return
         from tqdm import tqdm
+        trajectories = sum((p[0] for p in parts), [])
+        columns, rewards, advantages = (torch.cat([p[k] for p in parts]) for k in (1, 2, 3))
+        stats = {k: (sum if k == 'overlong_filtered' else mean)([p[4][k] for p in parts]) for k in parts[0][4]}
         grouped = rewards.view(-1, group_size)  # (groups, G)
         record = {
             'step': step,
@@ -111,6 +150,8 @@ class RunLog:
 
     def evaluation(self, step: int, tag: str, rollouts, rows, env_cls, temperature: float) -> dict:
         """Evaluate; print its line and two examples; write its metrics.jsonl record."""
+        if not self.active:
+            return None
         t0 = time.time()
         result = evaluate(rollouts, rows, env_cls, temperature)
         seconds, examples = time.time() - t0, result.pop('examples')
@@ -119,13 +160,18 @@ class RunLog:
             score = f"success {result['success']:.1%} [{result['success_low']:.1%}, {result['success_high']:.1%}]"
         print(f"eval {tag} step {step}: {score}, valid actions {fmt(result['valid_actions'], '.1%')}, "
               f"turns {result['turns']:.2f} ({seconds:.0f}s)")
-        for example in examples:
-            print('  example:', show(example, self.tokenizer).replace('\n', '\n  '))
-        self._write({'step': step, **{f'eval/{k}': v for k, v in result.items()}})
+        shown = [show(example, self.tokenizer) for example in examples]
+        for text in shown:
+            print('  example:', text.replace('\n', '\n  '))
+        self._write({'step': step, **{f'eval/{k}': v for k, v in result.items()}}, '\n\n'.join(shown))
         return result
 
     def finish(self, before, after):
         """The before/after line and curve.png."""
+        if not self.active:
+            return
+        for board in self.dashboards:
+            board.close() if hasattr(board, 'close') else board.finish()
         if before and after:
             key, spec = ('success', '.1%') if 'success' in after else ('reward', '.3f')
             print(f'held-out {key}: before {before[key]:{spec}} -> after {after[key]:{spec}}')

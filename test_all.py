@@ -428,6 +428,20 @@ envs['guess'] = GuessEnv
 '''
 
 
+GUESS_RULES = '''
+def digits_only(messages):
+    replies = [m['content'].strip() for m in messages if m['role'] == 'assistant']
+    return sum(r.isdigit() for r in replies) / max(len(replies), 1)
+
+
+GuessEnv.default_reward_funcs = {'digits_only': 0.2}
+GuessEnv.eval_rows = classmethod(lambda cls, n: [{'messages': [], 'env_config': {'seed': 10_000 + i}} for i in range(n)])
+GuessEnv.is_success = classmethod(lambda cls, rollout_infos: rollout_infos['total_reward'] >= 1.0)
+envs['guess'] = GuessEnv
+reward_funcs['digits_only'] = digits_only
+'''
+
+
 @pytest.mark.parametrize('flags, message', [
     (['--env', 'chess'], '--gym_env chess: not registered; registered: '),
     (['--external_plugins', 'nope.py'], '--external_plugins nope.py: no such file'),
@@ -446,6 +460,8 @@ envs['guess'] = GuessEnv
     (['--importance_sampling_level', 'word'], '--importance_sampling_level word: choose from token, sequence'),
     (['--rollout_importance_sampling_mode', 'clip'], '--rollout_importance_sampling_mode clip: choose from token_truncate, '),
     (['--rollout_importance_sampling_threshold', '0.5'], '--rollout_importance_sampling_threshold 0.5: at least 1'),
+    (['--tuner_type', 'qlora'], '--tuner_type qlora: choose from full, lora'),
+    (['--report_to', 'mlflow'], '--report_to mlflow: choose from tensorboard, wandb'),
     (['--model', '/no/such/folder'], '--model /no/such/folder: no such folder'),
     (['--rows_per_step', '500'], '--rows_per_step 500: there are 128 training rows in data.jsonl'),
 ])
@@ -482,6 +498,16 @@ def test_each_task_brings_its_own_rewards_and_held_out_rows(tmp_path):
     assert eval_rows[-1]['env_config'] == {'seed': 127} and env_cls.is_success({}) is None
     assert config.check_args(config.parse_args(['--external_plugins', str(tmp_path / 'guess.py'), '--gym_env', 'guess',
                                               '--eval_size', '4']))[1][0]['env_config'] == {'seed': 124}
+    # the README's richer GuessEnv: its own reward column, held-out rows and success test
+    rules = GUESS_PLUGIN.replace('from env import Env, envs', 'from env import Env, envs, reward_funcs').replace(
+        'envs[\'guess\'] = GuessEnv', GUESS_RULES)
+    (tmp_path / 'guess_rules.py').write_text(rules)
+    rows, eval_rows, env_cls, names, weights = config.check_args(
+        config.parse_args(['--external_plugins', str(tmp_path / 'guess_rules.py'), '--gym_env', 'guess']))
+    assert (names, weights, len(rows), eval_rows[0]) == (['digits_only'], [0.2, 1.0], 128, {
+        'messages': [], 'env_config': {'seed': 10_000}})
+    assert env_cls.is_success({'total_reward': 1.0}) and reward_funcs['digits_only'](
+        [{'role': 'assistant', 'content': '7'}, {'role': 'assistant', 'content': 'seven'}]) == 0.5
 
 
 # ---------------------------------------------------------------- GRPO math
@@ -797,7 +823,7 @@ def test_train_end_to_end_hf_engine_and_resume(tmp_path, tiny_model_dir):
     rows.write_text(''.join(json.dumps({'messages': [], 'env_config': c}) + '\n'
                             for c in ({'seed': 0}, {'seed': 1, 'fail': True}, {'seed': 2})))
     flags = ['--engine', 'hf', '--dataset', str(rows), '--split_dataset_ratio', '0.3', '--beta', '0.1',
-             '--micro_batch_size', '2']
+             '--micro_batch_size', '2', '--report_to', 'tensorboard']
     out = run_train(tmp_path, tiny_model_dir, *flags, '--num_iterations', '2')
     assert 'engine: hf' in out and 'held-out reward: before' in out
     folder = tmp_path / 'out'
@@ -820,6 +846,10 @@ def test_train_end_to_end_hf_engine_and_resume(tmp_path, tiny_model_dir):
     assert all(c['advantage'] == 0 for c in lines if c['rollout_infos']['stop_reason'] == 'error')
     assert (folder / 'latest').read_text() == 'checkpoint-2' and not (folder / 'checkpoint-1').exists()
     assert (folder / 'curve.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    board = EventAccumulator(str(folder / 'runs')).Reload()
+    assert {'loss', 'reward/gym', 'env_errors', 'logprob_gap', 'eval/reward'} <= set(board.Tags()['scalars'])
+    assert [e.step for e in board.Scalars('loss')] == [1, 2] and board.Tags()['tensors']  # + the examples as text
     out = run_train(tmp_path, tiny_model_dir, *flags, '--max_steps', '3', '--resume', 'true')
     assert 'resumed from' in out and 'at step 2' in out
     steps = step_records(folder)
@@ -1011,3 +1041,119 @@ def test_server_refuses_another_model_and_a_restart_is_caught(tmp_path, tiny_mod
             client.rollout([{'messages': []}], 2, 1.0)
     finally:
         proc.kill()
+
+
+# ---------------------------------------------------------------- slow: LoRA, several processes
+
+def lora_sync_gaps(model_dir):
+    """With LoRA adapters: (gap after the first push, stale gap after an update, gap after a push)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from engines import VLLMEngine
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
+                           LoraConfig(r=4, lora_alpha=8, target_modules='all-linear', task_type='CAUSAL_LM'))
+    engine = VLLMEngine(model_dir, kv_cache_gib=0.25)
+    colocated = Colocated(engine, GYMScheduler(engine, tokenizer, max_turns=2, max_completion_length=8,
+                                               temperature=0.8, gym_env='frozen_lake'))
+    rows = [{'messages': [], 'env_config': {'seed': s}} for s in range(4)]
+    nudge(model, colocated.rollout(rows, 1, 0.8)[0])  # the adapters are no longer zero
+    colocated.load_weights(model)
+    before = max_gap(model, colocated.rollout(rows, 1, 0.8), 0.8)
+    nudge(model, colocated.rollout(rows, 1, 0.8)[0])
+    stale = max_gap(model, colocated.rollout(rows, 1, 0.8), 0.8)
+    colocated.load_weights(model)
+    return before, stale, max_gap(model, colocated.rollout(rows, 1, 0.8), 0.8)
+
+
+@slow
+@vllm_available
+def test_lora_weights_reach_vllm_merged(tiny_model_dir):
+    before, stale, after = in_fresh_process(lora_sync_gaps, tiny_model_dir)
+    assert before < 1e-3 and stale > 0.1 and after < 1e-3, (before, stale, after)
+
+
+@slow
+@vllm_available
+def test_train_lora_end_to_end_resume_evaluate_and_merge(tmp_path, tiny_model_dir):
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+    flags = ['--engine', 'vllm', '--tuner_type', 'lora', '--lora_rank', '4', '--beta', '0.1']
+    out = run_train(tmp_path, tiny_model_dir, *flags)
+    assert 'trainable parameters: ' in out and '(lora)' in out
+    folder = tmp_path / 'out'
+    assert all(m['logprob_gap'] < 1e-3 for m in step_records(folder))
+    checkpoint = folder / 'checkpoint-2'
+    assert (checkpoint / 'adapter_model.safetensors').exists() and not (checkpoint / 'model.safetensors').exists()
+    out = run_train(tmp_path, tiny_model_dir, *flags, '--max_steps', '3', '--resume', 'true')
+    assert 'at step 2' in out and len(step_records(folder)) == 3
+    run = subprocess.run([sys.executable, 'train.py', '--model', str(folder / 'checkpoint-3'), '--eval_only', 'true',
+                          '--eval_size', '2', '--engine', 'hf', '--output_dir', str(tmp_path / 'eval')],
+                         cwd=HERE, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and 'eval before step 0' in run.stdout, run.stderr[-2000:]
+    # the README's merge: an ordinary model folder that computes what the adapter model computes
+    AutoPeftModelForCausalLM.from_pretrained(folder / 'checkpoint-3').merge_and_unload().save_pretrained(tmp_path / 'merged')
+    ids = torch.randint(0, 1000, (1, 10))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / 'merged')(ids).logits
+    adapted = AutoPeftModelForCausalLM.from_pretrained(folder / 'checkpoint-3')(ids).logits
+    assert torch.allclose(merged, adapted, atol=1e-5)
+
+
+def one_fixed_step(model_dir, out):
+    """One optimizer step on a fixed batch of 8 trajectories, shared out over the processes that
+    torchrun started (or taken whole by one process); rank 0 saves the weights to `out`."""
+    import train
+    from transformers import AutoModelForCausalLM
+    rank, world = train.start_processes(config.Args(rows_per_step=8))
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    generator = torch.Generator().manual_seed(0)
+    trajectories = []
+    for n in range(8):  # prompts of 6..13 tokens, replies of 2..9
+        ids = torch.randint(0, 1000, (15 + n,), generator=generator).tolist()
+        trajectories.append(Trajectory(RolloutInferRequest([]), token_ids=ids, loss_mask=[0] * (6 + n) + [1] * 9,
+                                       logprobs=[0.0] * len(ids)))
+        trajectories[-1].loss_mask[-1 - n // 2:] = [0] * (1 + n // 2)
+    mine = list(range(rank, 8, world))
+    args = config.Args(loss_type='dapo', micro_batch_size=2, gradient_checkpointing=False, max_grad_norm=1e9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # (Adam's first step is near sign(g): too touchy to compare)
+    train.train_step(model, None, optimizer, [trajectories[i] for i in mine], torch.linspace(-1, 1, 8)[mine], args, 0)
+    if rank == 0:
+        torch.save(model.state_dict(), out)
+
+
+@slow
+def test_two_processes_take_the_same_step_as_one(tmp_path, tiny_model_dir):
+    for command, out in (([sys.executable, 'test_all.py'], 'one.pt'),
+                         ([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2', 'test_all.py'], 'two.pt')):
+        run = subprocess.run(command + [tiny_model_dir, str(tmp_path / out)], cwd=HERE, capture_output=True, text=True,
+                             timeout=300)
+        assert run.returncode == 0, run.stderr[-3000:]
+    from safetensors.torch import load_file
+    one, two, start = torch.load(tmp_path / 'one.pt'), torch.load(tmp_path / 'two.pt'), load_file(
+        f'{tiny_model_dir}/model.safetensors')
+    assert all(torch.allclose(one[k], two[k], atol=1e-6) for k in one)
+    assert any(not torch.equal(one[k], start[k]) for k in start)  # the step moved the weights
+
+
+@slow
+@pytest.mark.parametrize('engine', ['hf', pytest.param('vllm', marks=vllm_available)])
+def test_torchrun_training_end_to_end_and_resume(tmp_path, tiny_model_dir, engine):
+    (tmp_path / 'length_plugin.py').write_text(LENGTH_PLUGIN)
+    base = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2', 'train.py', '--model', tiny_model_dir,
+            '--output_dir', str(tmp_path / 'out'), '--external_plugins', str(tmp_path / 'length_plugin.py'),
+            '--env', 'length', '--engine', engine, '--vllm_kv_cache_gib', '0.25', '--rows_per_step', '2', '--num_generations', '2', '--max_turns', '2',
+            '--max_completion_length', '8', '--eval_size', '4', '--save_steps', '1', '--learning_rate', '1e-3',
+            '--loss_type', 'dapo']
+    for extra in (['--max_steps', '2'], ['--max_steps', '3', '--resume', 'true']):
+        run = subprocess.run(base + extra, cwd=HERE, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert run.stdout.count('resumed from') == 1 and run.stdout.count(f'engine: {engine}') == 2  # one engine each
+    steps = step_records(tmp_path / 'out')
+    assert [m['step'] for m in steps] == [1, 2, 3] and all(m['logprob_gap'] < 1e-3 for m in steps)
+    lines = [json.loads(line) for line in open(tmp_path / 'out' / 'completions.jsonl')]
+    assert len(lines) == 3 * 2 * 2  # both processes' trajectories, logged once
+    assert (tmp_path / 'out' / 'latest').read_text() == 'checkpoint-3'
+
+
+if __name__ == '__main__':  # test_two_processes_take_the_same_step_as_one runs this, with and without torchrun
+    one_fixed_step(*sys.argv[1:])

