@@ -9,7 +9,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 venv=${VENV:-.venv}
-python3 -m venv "$venv"
+"$(command -v python3 || command -v python)" -m venv "$venv"
 . "$venv/bin/activate" 2>/dev/null || . "$venv/Scripts/activate"  # Linux and macOS; Windows' Git Bash
 if [ "${GYM_VLLM:-auto}" != none ] && nvidia-smi -L >/dev/null 2>&1; then
   pip install vllm -r requirements.txt
