@@ -1,5 +1,6 @@
 """Benchmark (not a test): rollout throughput of the vLLM and transformers engines on the same
-FrozenLake rows with the same sampling settings, in one run, and the time of a weight sync.
+FrozenLake rows with the same sampling settings, in one run; the update's throughput against the
+machine's fp32 matmul; and the time of a weight sync.
 
     .venv/bin/python bench.py --repeats 3
 
@@ -26,6 +27,8 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import frozen_lake  # noqa: E402,F401  (registers envs['frozen_lake'])
+import train  # noqa: E402
+from config import Args  # noqa: E402
 from engines import HFEngine, VLLMEngine, embedded_model, policy_weights, quiet  # noqa: E402
 from scheduler import GYMScheduler, requests_for, rollout  # noqa: E402
 
@@ -48,6 +51,27 @@ for name, engine in engines.items():
         print(f'{name}: {tokens} sampled tokens, {runs[-1]:.1f} tokens/s, '
               f'{sum(t.num_turns for t in trajectories) / len(trajectories):.1f} turns per trajectory')
     speed[name] = statistics.median(runs)
+# The update on the last rollout's trajectories: trainer tokens/s and achieved GFLOP/s, next to what
+# a plain fp32 matmul reaches on this machine in the same run (so the ratio means something anywhere).
+model.gradient_checkpointing_enable()  # the default update: micro-batches of 4, recomputation
+optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: the work of a step, the weights kept
+tokens = sum(len(t.token_ids) for t in trajectories)
+body = sum(p.numel() for name, p in model.named_parameters() if 'embed' not in name)  # non-embedding parameters
+updates = []
+for _ in range(cli.repeats):
+    t0 = time.time()
+    train.train_step(model, None, optimizer, trajectories, torch.randn(len(trajectories)), Args(), tokenizer.pad_token_id)
+    updates.append(time.time() - t0)
+matmuls, a = [], torch.randn(2048, 2048)
+for _ in range(10):
+    t0 = time.time()
+    a @ a
+    matmuls.append(2 * 2048 ** 3 / (time.time() - t0) / 1e9)
+update, peak = statistics.median(updates), statistics.median(matmuls)
+achieved = 8 * body * tokens / update / 1e9  # forward 2, backward 4, recomputation 2 FLOPs per parameter and token
+print(f'update: {tokens} tokens in {update:.1f}s (median of {cli.repeats}) = {tokens / update:.0f} tokens/s, '
+      f'{achieved:.0f} GFLOP/s (8 x {body / 1e6:.0f}M non-embedding parameters x tokens); fp32 2048x2048 matmul '
+      f'{peak:.0f} GFLOP/s (median of 10): {achieved / peak:.0%} of it')
 syncs = []
 for _ in range(cli.repeats):
     t0 = time.time()
