@@ -177,7 +177,7 @@ def reward_setup(args: Args, env_cls):
 
 def held_out(rows, env_cls, eval_size: int, ratio: float, dataset: str):
     """(training rows, evaluation rows): the env's own held-out rows, else the last share of the dataset."""
-    own = env_cls.eval_rows(eval_size) if eval_size else []
+    own = env_cls.eval_rows(eval_size, rows[0]['env_config']) if eval_size else []
     if own is not None:
         return rows, own
     n = min(eval_size, math.ceil(len(rows) * ratio))

@@ -55,8 +55,9 @@ class Env(ABC):
     default_reward_funcs: Dict[str, float] = {}  # extra reward columns and weights when no --reward_funcs is given
 
     @classmethod
-    def eval_rows(cls, n: int) -> Optional[List[Dict[str, Any]]]:
-        """n held-out dataset rows to evaluate on; None: hold out rows of the training dataset."""
+    def eval_rows(cls, n: int, env_config: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
+        """n held-out rows to evaluate on, with the settings of a training row's env_config;
+        None: hold out rows of the training dataset."""
         return None
 
     @classmethod

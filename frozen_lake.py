@@ -9,7 +9,8 @@
    move: 0, 'invalid', and the format restated. --max_turns, not the env, ends a long walk.
 4. Beside the env: its `format` reward (weight 0.5 by default), held-out maps (seeds 100000..,
    never in data.jsonl) and its success test (total_reward >= 1).
-env_config keys: `size` (4), `p` (0.8), `seed` (None: a fresh map each reset).
+env_config keys: `size` (4), `p` (0.8), `seed` (None: a fresh map each reset), `observation`
+('goal': the goal-direction line; 'position': the player's row and column instead, as ms-swift's plugin).
 
 The dynamics equal Gymnasium's `FrozenLake-v1(desc=..., is_slippery=False)` (test_all.py checks).
 Left out: slippery ice; ms-swift's reading of the *last* direction word of an untagged reply.
@@ -119,8 +120,8 @@ class FrozenLakeEnv(Env):
     default_reward_funcs = {'format': 0.5}  # what `python train.py --env frozen_lake` trains with
 
     @classmethod
-    def eval_rows(cls, n):
-        return [{'messages': [], 'env_config': {'seed': EVAL_SEED_BASE + i}} for i in range(n)]
+    def eval_rows(cls, n, env_config):  # the training rows' size, p and observation; fresh seeds
+        return [{'messages': [], 'env_config': {**env_config, 'seed': EVAL_SEED_BASE + i}} for i in range(n)]
 
     @classmethod
     def is_success(cls, rollout_infos):
@@ -132,10 +133,16 @@ class FrozenLakeEnv(Env):
         self.p = float(env_config.get('p', 0.8))
         seed = env_config.get('seed')
         self.seed = int(seed) if seed is not None else None
+        self.observation = env_config.get('observation', 'goal')
+        if self.observation not in ('goal', 'position'):
+            raise ValueError(f"env_config observation {self.observation!r}: choose goal or position")
 
     def board(self) -> str:
-        """The grid with the player, and the goal line."""
-        return f'{render(self.grid, self.row, self.col)}\n{goal_hint(self.grid, self.row, self.col)} Your move?'
+        """The grid with the player, then where the goal lies, or with env_config observation
+        'position' only where the player is: the information ms-swift's FrozenLake plugin gives."""
+        where = (goal_hint(self.grid, self.row, self.col) if self.observation == 'goal' else
+                 f'You are in row {self.row + 1}, column {self.col + 1} (counting from the top left).')
+        return f'{render(self.grid, self.row, self.col)}\n{where} Your move?'
 
     async def reset(self, config: RolloutInferRequest):
         self.grid = generate_random_map(self.size, self.p, self.seed)

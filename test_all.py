@@ -340,6 +340,26 @@ def test_invalid_reply_keeps_the_goal_line():
     assert 'The goal is' in invalid
 
 
+def test_position_observation_gives_what_ms_swift_gives():
+    env = frozen_lake.FrozenLakeEnv({'seed': 0, 'observation': 'position'})  # S at row 2, column 1
+    first, _, _ = asyncio.run(env.reset(None))
+    assert first.endswith('You are in row 2, column 1 (counting from the top left). Your move?')
+    assert 'goal is' not in first and 'P' in first
+    moved, *_ = asyncio.run(env.step([{'role': 'assistant', 'content': '<action>right</action>'}]))
+    assert 'You are in row 2, column 2' in moved and 'goal is' not in moved
+    with pytest.raises(ValueError, match='observation'):
+        frozen_lake.FrozenLakeEnv({'observation': 'pixels'})
+
+
+def test_held_out_maps_have_the_training_rows_settings(tmp_path):
+    (tmp_path / 'big.jsonl').write_text(''.join(
+        json.dumps({'messages': [], 'env_config': {'seed': s, 'size': 5, 'observation': 'position'}}) + '\n'
+        for s in range(8)))
+    eval_rows = config.check_args(config.parse_args(['--dataset', str(tmp_path / 'big.jsonl'), '--eval_size', '2']))[1]
+    assert [r['env_config'] for r in eval_rows] == [{'seed': 100_000 + i, 'size': 5, 'observation': 'position'}
+                                                    for i in range(2)]
+
+
 def test_envs_wait_together_in_both_drivers(tokenizer):
     scheduler = GYMScheduler(ScriptedEngine(tokenizer, lambda text: 'x'), tokenizer, max_turns=3, gym_env='slow')
     SlowEnv.most = 0
@@ -363,7 +383,7 @@ def test_format_reward():
 
 def test_evaluation_is_the_tasks_own(tokenizer):
     lake = Colocated(None, gym(tokenizer, bfs_policy))
-    result = evaluate(lake, frozen_lake.FrozenLakeEnv.eval_rows(16), frozen_lake.FrozenLakeEnv, 0.0)
+    result = evaluate(lake, frozen_lake.FrozenLakeEnv.eval_rows(16, {}), frozen_lake.FrozenLakeEnv, 0.0)
     assert result['success'] == 1.0 and result['valid_actions'] == 1.0 and result['success_low'] > 0.75
     echo = Colocated(None, GYMScheduler(ScriptedEngine(tokenizer, lambda text: 'four'), tokenizer, gym_env='echo'))
     result = evaluate(echo, [{'messages': [], 'env_config': {}}] * 3, EchoEnv, 0.0)
@@ -435,7 +455,8 @@ def digits_only(messages):
 
 
 GuessEnv.default_reward_funcs = {'digits_only': 0.2}
-GuessEnv.eval_rows = classmethod(lambda cls, n: [{'messages': [], 'env_config': {'seed': 10_000 + i}} for i in range(n)])
+GuessEnv.eval_rows = classmethod(lambda cls, n, env_config: [{'messages': [], 'env_config': {**env_config, 'seed': 10_000 + i}}
+                                                             for i in range(n)])
 GuessEnv.is_success = classmethod(lambda cls, rollout_infos: rollout_infos['total_reward'] >= 1.0)
 envs['guess'] = GuessEnv
 reward_funcs['digits_only'] = digits_only
