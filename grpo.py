@@ -26,6 +26,9 @@ from torch.utils.checkpoint import checkpoint
 from env import reward_funcs
 
 
+OVERLONG = ('length', 'context_limit')  # stop reasons of a trajectory cut by a length limit
+
+
 def reward_columns(trajectories, funcs: List[str], use_gym_env: bool) -> torch.Tensor:
     """(N, K): the --reward_funcs columns, then the gym `total_reward` column last."""
     rows = [[reward_funcs[name](t.request.messages) for name in funcs]
@@ -59,7 +62,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, valid: torch.Tensor
 def with_spread(rewards: torch.Tensor, group_size: int, valid: torch.Tensor = None) -> List[int]:
     """Indices of the valid trajectories whose group's valid rewards are not all equal. The others
     have A = 0: with beta = 0 they add nothing to the gradient, only tokens to the normaliser and
-    time to the update. Training on these alone is DAPO's "dynamic sampling" without its refill."""
+    time to the update. Training on these alone is DAPO's "dynamic sampling" without its refill
+    (--dynamic_sample adds the refill, train.play)."""
     valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid
     r, v = rewards.view(-1, group_size), valid.view(-1, group_size)  # (groups, G)
     high = torch.where(v, r, torch.tensor(-float('inf'))).max(1).values
@@ -81,9 +85,6 @@ def rewards_and_advantages(trajectories, names, weights, use_gym_env: bool, grou
     keep = with_spread(rewards, group_size, valid) if not beta else valid.nonzero().flatten().tolist()
     return columns, rewards, advantages, [i for i in keep if any(trajectories[i].loss_mask) and not (
         overlong_filter and trajectories[i].stop_reason in OVERLONG)]
-
-
-OVERLONG = ('length', 'context_limit')  # stop reasons of a trajectory cut by a length limit
 
 
 def normaliser(loss_mask: torch.Tensor, loss_type: str, num_trajectories: int, num_tokens: int, max_sampled: int):
