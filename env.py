@@ -65,6 +65,8 @@ class Env(ABC):
         """Whether a finished trajectory solved the task; None: evaluation reports the mean reward only."""
         return None
 
+    draw = None  # optional classmethod draw(ax, rollout_infos): one evaluated game on a matplotlib axis (agent.png)
+
     # ---- the interface of the document ----
     def __init__(self, env_config):
         """env_config comes from the dataset row's `env_config` column."""

@@ -7,7 +7,7 @@
 3. `step`: one move read from the reply (`parse_action`), one cell (off the grid: stay, as in
    Gymnasium). G: reward 1, done, status 'goal'; H: 0, done, 'hole'; ice: 0, 'ok'; no readable
    move: 0, 'invalid', and the format restated. --max_turns, not the env, ends a long walk.
-4. Beside the env: its `format` reward (weight 0.5 by default), held-out maps (seeds 100000..,
+4. Beside the env: its `format` reward (weight 0.25 by default), held-out maps (seeds 100000..,
    never in data.jsonl) and its success test (total_reward >= 1).
 env_config keys: `size` (4), `p` (0.8), `seed` (None: a fresh map each reset), `observation`
 ('goal': the goal-direction line; 'position': the player's row and column instead, as ms-swift's plugin).
@@ -33,7 +33,6 @@ SYSTEM_PROMPT = (
 
 _TAG = re.compile(r'<action>\s*(\w+)\s*</action>', re.IGNORECASE)
 _WORD = re.compile(r'\b(up|down|left|right)\b', re.IGNORECASE)
-_ACTION_ONLY = re.compile(r'\s*<action>\s*(up|down|left|right)\s*</action>\s*', re.IGNORECASE)
 EVAL_SEED_BASE = 100_000  # held-out maps use seeds 100000.. : far from data.jsonl's 0..127
 
 
@@ -108,16 +107,18 @@ def parse_action(reply: str) -> Optional[str]:
 
 
 def format_reward(messages: Messages) -> float:
-    """Mean over the assistant's replies of: 1 for exactly `<action>move</action>` and nothing else,
-    0.5 for a reply that names one move some other way (parse_action reads it), else 0.
-    The half credit gives a weak model a gradient towards the format before it ever hits it exactly."""
+    """The share of the assistant's replies that name one move (parse_action reads them).
+
+    A shaping reward must not pay for more than the task needs. An earlier version paid 1 for the
+    exact `<action>move</action>` and 0.5 for any other readable move. The only exact tag the 135M
+    model had seen was the system prompt's example, so with --seed 1 it learned to copy it:
+    'always down', perfect format, 8% held-out success (README: "Results")."""
     replies = [m['content'] for m in messages if m['role'] == 'assistant']
-    score = sum(1.0 if _ACTION_ONLY.fullmatch(r) else 0.5 if parse_action(r) else 0.0 for r in replies)
-    return score / max(len(replies), 1)
+    return sum(parse_action(r) is not None for r in replies) / max(len(replies), 1)
 
 
 class FrozenLakeEnv(Env):
-    default_reward_funcs = {'format': 0.5}  # what `python train.py --env frozen_lake` trains with
+    default_reward_funcs = {'format': 0.25}  # what `python train.py --env frozen_lake` trains with
 
     @classmethod
     def eval_rows(cls, n, env_config):  # the training rows' size, p and observation; fresh seeds
@@ -126,6 +127,25 @@ class FrozenLakeEnv(Env):
     @classmethod
     def is_success(cls, rollout_infos):
         return rollout_infos.get('total_reward', 0.0) >= 1.0
+
+    @classmethod
+    def draw(cls, ax, rollout_infos):
+        """The map and the path walked from S (invalid replies and bumps into the edge stay put)."""
+        from matplotlib.patches import Rectangle  # here: the env itself needs no matplotlib
+        grid = rollout_infos['reset_info']['grid']
+        colours = {'S': '#cfe8fc', 'F': '#cfe8fc', 'H': '#1f3b57', 'G': '#ffd54f'}
+        for r, line in enumerate(grid):
+            for c, cell in enumerate(line):
+                ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, facecolor=colours[cell], edgecolor='white', lw=2))
+                if cell in 'SG':
+                    ax.text(c, r, cell, ha='center', va='center', fontsize=14, weight='bold', zorder=3)
+        path = [next((r, c) for r, line in enumerate(grid) for c, ch in enumerate(line) if ch == 'S')]
+        path += [tuple(i['position']) for i in rollout_infos.get('step_infos', []) if 'position' in i]
+        ax.plot([c for r, c in path], [r for r, c in path], '-o', color='#d62728', lw=3, ms=5, alpha=0.8)
+        ax.set(xlim=(-0.5, len(grid) - 0.5), ylim=(len(grid) - 0.5, -0.5), xticks=[], yticks=[], aspect='equal')
+        steps = rollout_infos.get('step_infos', [])
+        end = steps[-1]['status'] if steps and steps[-1].get('status') in ('goal', 'hole') else rollout_infos.get('stop_reason')
+        ax.set_title(f'{end}, {len(steps)} replies', fontsize=9)
 
     def __init__(self, env_config):
         super().__init__(env_config)

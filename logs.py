@@ -7,7 +7,8 @@
 4. completions.jsonl: one line per training trajectory (the document: the env's info dicts go
    there), with its reward columns, weighted reward and advantage.
 5. Two decoded trajectories per evaluation, the model's own tokens in [[...]].
-6. curve.png at the end: training reward per step, held-out success (or reward) with its interval.
+6. curve.png at the end: training reward per step, held-out success (or reward) with its interval;
+   agent.png, when the env can draw a game (`Env.draw`): the first held-out games, before and after.
 7. With --report_to tensorboard (or wandb, offline), every number above and the decoded examples
    go to the dashboard too. Under torchrun, rank 0 writes the records of every process.
 """
@@ -36,6 +37,9 @@ def success_interval(successes: int, n: int, z: float = 1.96):
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+GAMES_SHOWN = 4  # held-out games in agent.png, per evaluation
+
+
 def evaluate(rollouts, rows, env_cls, temperature: float) -> dict:
     """One trajectory per held-out row: the mean gym reward, and success with its interval when the
     env says what success is."""
@@ -46,7 +50,8 @@ def evaluate(rollouts, rows, env_cls, temperature: float) -> dict:
         low, high = success_interval(sum(wins), len(wins))
         result.update({'success': sum(wins) / len(wins), 'success_low': low, 'success_high': high})
     return {**result, 'valid_actions': valid_share(trajectories),
-            'turns': sum(t.num_turns for t in trajectories) / len(trajectories), 'examples': trajectories[:2]}
+            'turns': sum(t.num_turns for t in trajectories) / len(trajectories), 'examples': trajectories[:2],
+            'games': [t.rollout_infos for t in trajectories[:GAMES_SHOWN]]}
 
 
 def show(trajectory: Trajectory, tokenizer) -> str:
@@ -77,7 +82,7 @@ class RunLog:
 
     def __init__(self, output_dir: str, tokenizer, column_names, gym_env: str, report_to=(), active: bool = True):
         self.output_dir, self.tokenizer, self.column_names, self.gym_env = output_dir, tokenizer, column_names, gym_env
-        self.active, self.dashboards = active, []
+        self.active, self.dashboards, self.games = active, [], []  # games: (step, rollout_infos) per evaluation
         if not active:
             return
         self.metrics = open(os.path.join(output_dir, 'metrics.jsonl'), 'a')
@@ -155,6 +160,8 @@ class RunLog:
         t0 = time.time()
         result = evaluate(rollouts, rows, env_cls, temperature)
         seconds, examples = time.time() - t0, result.pop('examples')
+        self.games.append((step, result.pop('games')))
+        self.env_cls = env_cls
         score = f"reward {result['reward']:.3f}"
         if 'success' in result:
             score = f"success {result['success']:.1%} [{result['success_low']:.1%}, {result['success_high']:.1%}]"
@@ -176,6 +183,8 @@ class RunLog:
             key, spec = ('success', '.1%') if 'success' in after else ('reward', '.3f')
             print(f'held-out {key}: before {before[key]:{spec}} -> after {after[key]:{spec}}')
         plot(self.output_dir)
+        if self.games and self.env_cls.draw:
+            draw_games(self.output_dir, [self.games[0], self.games[-1]], self.env_cls)
 
 
 def plot(output_dir: str):
@@ -199,4 +208,19 @@ def plot(output_dir: str):
     ax.set(xlabel='step', title=os.path.basename(os.path.abspath(output_dir)))
     ax.legend()
     fig.savefig(os.path.join(output_dir, 'curve.png'), dpi=120, bbox_inches='tight')
+    plt.close(fig)
+
+
+def draw_games(output_dir: str, evaluations, env_cls):
+    """agent.png: one row per evaluation, its first held-out games drawn by the env."""
+    import matplotlib
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt
+    columns = max(len(games) for _, games in evaluations)
+    fig, axes = plt.subplots(len(evaluations), columns, figsize=(2.2 * columns, 2.4 * len(evaluations)), squeeze=False)
+    for row, (step, games) in zip(axes, evaluations):
+        for ax, infos in zip(row, games):
+            env_cls.draw(ax, infos)
+        row[0].set_ylabel(f'step {step}')
+    fig.savefig(os.path.join(output_dir, 'agent.png'), dpi=100, bbox_inches='tight')
     plt.close(fig)

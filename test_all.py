@@ -31,6 +31,7 @@ import grpo
 from engines import Colocated, Completion, Engine
 from env import Env, RolloutInferRequest, UserError, envs, load_dataset, load_plugins, reward_funcs
 from frozen_lake import MOVES, generate_random_map, parse_action, shortest_path
+import logs
 from logs import evaluate
 from scheduler import GYMScheduler, Trajectory, rollout
 
@@ -377,14 +378,17 @@ def test_envs_wait_together_in_both_drivers(tokenizer):
 def test_format_reward():
     msgs = [{'role': 'assistant', 'content': '<action>up</action>'}, {'role': 'user', 'content': 'x'},
             {'role': 'assistant', 'content': 'go <action>up</action>'}, {'role': 'assistant', 'content': 'hmm'}]
-    assert frozen_lake.format_reward(msgs) == pytest.approx((1 + 0.5 + 0) / 3)
+    assert frozen_lake.format_reward(msgs) == pytest.approx((1 + 1 + 0) / 3)  # any readable move, no bonus for the bare tag
     assert reward_funcs['format'] is frozen_lake.format_reward  # registered next to envs['frozen_lake']
 
 
-def test_evaluation_is_the_tasks_own(tokenizer):
+def test_evaluation_is_the_tasks_own(tokenizer, tmp_path):
     lake = Colocated(None, gym(tokenizer, bfs_policy))
     result = evaluate(lake, frozen_lake.FrozenLakeEnv.eval_rows(16, {}), frozen_lake.FrozenLakeEnv, 0.0)
     assert result['success'] == 1.0 and result['valid_actions'] == 1.0 and result['success_low'] > 0.75
+    assert [g['step_infos'][-1]['status'] for g in result['games']] == ['goal'] * logs.GAMES_SHOWN
+    logs.draw_games(str(tmp_path), [(0, result['games'])], frozen_lake.FrozenLakeEnv)  # agent.png's strip
+    assert (tmp_path / 'agent.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     echo = Colocated(None, GYMScheduler(ScriptedEngine(tokenizer, lambda text: 'four'), tokenizer, gym_env='echo'))
     result = evaluate(echo, [{'messages': [], 'env_config': {}}] * 3, EchoEnv, 0.0)
     assert 'success' not in result and result['reward'] == 4.0  # an env without a success test: mean reward
@@ -506,9 +510,9 @@ def test_help_works(program):
 
 def test_each_task_brings_its_own_rewards_and_held_out_rows(tmp_path):
     rows, eval_rows, env_cls, names, weights = config.check_args(config.parse_args([]))
-    assert (names, weights, env_cls, len(rows)) == (['format'], [0.5, 1.0], frozen_lake.FrozenLakeEnv, 128)
+    assert (names, weights, env_cls, len(rows)) == (['format'], [0.25, 1.0], frozen_lake.FrozenLakeEnv, 128)
     assert [r['env_config']['seed'] for r in eval_rows] == list(range(100_000, 100_256))
-    assert config.check_args(config.parse_args(['--use_gym_env', 'false']))[3:] == (['format'], [0.5])
+    assert config.check_args(config.parse_args(['--use_gym_env', 'false']))[3:] == (['format'], [0.25])
     assert config.check_args(config.parse_args(['--reward_funcs', 'format']))[3:] == (['format'], [1.0, 1.0])
     assert config.check_args(config.parse_args(['--reward_funcs']))[3:] == ([], [1.0])
     # a student's env inherits nothing from FrozenLake: no format reward, its own held-out rows
@@ -867,6 +871,7 @@ def test_train_end_to_end_hf_engine_and_resume(tmp_path, tiny_model_dir):
     assert all(c['advantage'] == 0 for c in lines if c['rollout_infos']['stop_reason'] == 'error')
     assert (folder / 'latest').read_text() == 'checkpoint-2' and not (folder / 'checkpoint-1').exists()
     assert (folder / 'curve.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    assert not (folder / 'agent.png').exists()  # this plugin env draws nothing
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     board = EventAccumulator(str(folder / 'runs')).Reload()
     assert {'loss', 'reward/gym', 'env_errors', 'logprob_gap', 'eval/reward'} <= set(board.Tags()['scalars'])
