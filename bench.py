@@ -69,7 +69,7 @@ for _ in range(10):
     matmuls.append(2 * 2048 ** 3 / (time.time() - t0) / 1e9)
 update, peak = statistics.median(updates), statistics.median(matmuls)
 achieved = 8 * body * tokens / update / 1e9  # forward 2, backward 4, recomputation 2 FLOPs per parameter and token
-print(f'update: {tokens} tokens in {update:.1f}s (median of {cli.repeats}) = {tokens / update:.0f} tokens/s, '
+print(f"update: {tokens} tokens in {', '.join(f'{u:.1f}' for u in updates)}s; median {update:.1f}s = {tokens / update:.0f} tokens/s, "
       f'{achieved:.0f} GFLOP/s (8 x {body / 1e6:.0f}M non-embedding parameters x tokens); fp32 2048x2048 matmul '
       f'{peak:.0f} GFLOP/s (median of 10): {achieved / peak:.0%} of it')
 syncs = []

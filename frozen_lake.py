@@ -7,7 +7,7 @@
 3. `step`: one move read from the reply (`parse_action`), one cell (off the grid: stay, as in
    Gymnasium). G: reward 1, done, status 'goal'; H: 0, done, 'hole'; ice: 0, 'ok'; no readable
    move: 0, 'invalid', and the format restated. --max_turns, not the env, ends a long walk.
-4. Beside the env: its `format` reward (weight 0.25 by default), held-out maps (seeds 100000..,
+4. Beside the env: its `progress` reward (weight 0.5 by default) and a `format` reward, held-out maps (seeds 100000..,
    never in data.jsonl) and its success test (total_reward >= 1).
 env_config keys: `size` (4), `p` (0.8), `seed` (None: a fresh map each reset), `observation`
 ('goal': the goal-direction line; 'position': the player's row and column instead, as ms-swift's plugin).
@@ -107,18 +107,32 @@ def parse_action(reply: str) -> Optional[str]:
 
 
 def format_reward(messages: Messages) -> float:
-    """The share of the assistant's replies that name one move (parse_action reads them).
-
-    A shaping reward must not pay for more than the task needs. An earlier version paid 1 for the
-    exact `<action>move</action>` and 0.5 for any other readable move. The only exact tag the 135M
-    model had seen was the system prompt's example, so with --seed 1 it learned to copy it:
-    'always down', perfect format, 8% held-out success (README: "Results")."""
+    """The share of the assistant's replies that name one move (parse_action reads them)."""
     replies = [m['content'] for m in messages if m['role'] == 'assistant']
     return sum(parse_action(r) is not None for r in replies) / max(len(replies), 1)
 
 
+def progress_reward(messages: Messages) -> float:
+    """How much nearer G the walk ended, as a share of the distance it began at: 1 at G, 0 for no
+    net progress (wandering, bumping an edge, unreadable replies), negative further away.
+    Distances are Manhattan; a hole ends the walk where it is. The walk is replayed from the first
+    board and the replies, so the reward needs nothing but the messages (README: "Results": why)."""
+    board = next(m['content'] for m in messages if m['role'] == 'user').splitlines()
+    grid = [''.join(cells) for cells in map(str.split, board) if cells and all(len(c) == 1 for c in cells)]
+    (row, col), goal = [next((r, c) for r, line in enumerate(grid) for c, ch in enumerate(line) if ch == x) for x in 'PG']
+    start = abs(goal[0] - row) + abs(goal[1] - col)
+    for reply in (m['content'] for m in messages if m['role'] == 'assistant'):
+        move = parse_action(reply)
+        if move:
+            row = min(max(row + MOVES[move][0], 0), len(grid) - 1)
+            col = min(max(col + MOVES[move][1], 0), len(grid) - 1)
+            if grid[row][col] in 'HG':
+                break
+    return (start - abs(goal[0] - row) - abs(goal[1] - col)) / start
+
+
 class FrozenLakeEnv(Env):
-    default_reward_funcs = {'format': 0.25}  # what `python train.py --env frozen_lake` trains with
+    default_reward_funcs = {'progress': 0.5}  # what `python train.py --env frozen_lake` trains with
 
     @classmethod
     def eval_rows(cls, n, env_config):  # the training rows' size, p and observation; fresh seeds
@@ -193,3 +207,4 @@ class FrozenLakeEnv(Env):
 
 envs['frozen_lake'] = FrozenLakeEnv
 reward_funcs['format'] = format_reward
+reward_funcs['progress'] = progress_reward

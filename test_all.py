@@ -382,6 +382,19 @@ def test_format_reward():
     assert reward_funcs['format'] is frozen_lake.format_reward  # registered next to envs['frozen_lake']
 
 
+def test_progress_reward_replays_the_walk():
+    board = {'role': 'user', 'content': 'P F F F\nF H F F\nF F F G\nF F F F\nThe goal is 2 down and 3 right of you.'}
+    def walk(*replies, first=board):
+        return frozen_lake.progress_reward([{'role': 'system', 'content': 'x'}, first] + [
+            {'role': 'assistant', 'content': r} for r in replies])
+    assert walk('<action>right</action>', 'right', 'down', 'I go down.', 'right') == 1.0  # reached G
+    assert walk('up', 'left', 'no idea') == 0.0  # bumped the edges, then an unreadable reply
+    assert walk('right', 'down', 'left', 'left') == pytest.approx(2 / 5)  # fell in H at (1, 1): 5 -> 3 away
+    away = {'role': 'user', 'content': 'F F F F\nF F P F\nG F F F\nF F F F\nThe goal is 1 down and 2 left of you.'}
+    assert walk('up', 'right', first=away) == pytest.approx(-2 / 3)  # 3 -> 5 away
+    assert reward_funcs['progress'] is frozen_lake.progress_reward
+
+
 def test_evaluation_is_the_tasks_own(tokenizer, tmp_path):
     lake = Colocated(None, gym(tokenizer, bfs_policy))
     result = evaluate(lake, frozen_lake.FrozenLakeEnv.eval_rows(16, {}), frozen_lake.FrozenLakeEnv, 0.0)
@@ -510,9 +523,9 @@ def test_help_works(program):
 
 def test_each_task_brings_its_own_rewards_and_held_out_rows(tmp_path):
     rows, eval_rows, env_cls, names, weights = config.check_args(config.parse_args([]))
-    assert (names, weights, env_cls, len(rows)) == (['format'], [0.25, 1.0], frozen_lake.FrozenLakeEnv, 128)
+    assert (names, weights, env_cls, len(rows)) == (['progress'], [0.5, 1.0], frozen_lake.FrozenLakeEnv, 128)
     assert [r['env_config']['seed'] for r in eval_rows] == list(range(100_000, 100_256))
-    assert config.check_args(config.parse_args(['--use_gym_env', 'false']))[3:] == (['format'], [0.25])
+    assert config.check_args(config.parse_args(['--use_gym_env', 'false']))[3:] == (['progress'], [0.5])
     assert config.check_args(config.parse_args(['--reward_funcs', 'format']))[3:] == (['format'], [1.0, 1.0])
     assert config.check_args(config.parse_args(['--reward_funcs']))[3:] == ([], [1.0])
     # a student's env inherits nothing from FrozenLake: no format reward, its own held-out rows
