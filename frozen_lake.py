@@ -7,8 +7,8 @@
 3. `step`: one move read from the reply (`parse_action`), one cell (off the grid: stay, as in
    Gymnasium). G: reward 1, done, status 'goal'; H: 0, done, 'hole'; ice: 0, 'ok'; no readable
    move: 0, 'invalid', and the format restated. --max_turns, not the env, ends a long walk.
-4. Beside the env: its `progress` reward (weight 0.5 by default) and a `format` reward, held-out maps (seeds 100000..,
-   never in data.jsonl) and its success test (total_reward >= 1).
+4. Beside the env: its `progress` reward (weight 0.5 by default), a `format` reward, held-out
+   maps (seeds 100000.., never in data.jsonl), its success test (total_reward >= 1), `draw`.
 env_config keys: `size` (4), `p` (0.8), `seed` (None: a fresh map each reset), `observation`
 ('goal': the goal-direction line; 'position': the player's row and column instead, as ms-swift's plugin).
 
@@ -116,7 +116,8 @@ def progress_reward(messages: Messages) -> float:
     """How much nearer G the walk ended, as a share of the distance it began at: 1 at G, 0 for no
     net progress (wandering, bumping an edge, unreadable replies), negative further away.
     Distances are Manhattan; a hole ends the walk where it is. The walk is replayed from the first
-    board and the replies, so the reward needs nothing but the messages (README: "Results": why)."""
+    board and the replies, so it needs nothing but the messages. Why it is the default rather than
+    `format`: README, "Why seed 1 wandered"."""
     board = next(m['content'] for m in messages if m['role'] == 'user').splitlines()
     grid = [''.join(cells) for cells in map(str.split, board) if cells and all(len(c) == 1 for c in cells)]
     (row, col), goal = [next((r, c) for r, line in enumerate(grid) for c, ch in enumerate(line) if ch == x) for x in 'PG']

@@ -392,6 +392,9 @@ def test_progress_reward_replays_the_walk():
     assert walk('right', 'down', 'left', 'left') == pytest.approx(2 / 5)  # fell in H at (1, 1): 5 -> 3 away
     away = {'role': 'user', 'content': 'F F F F\nF F P F\nG F F F\nF F F F\nThe goal is 1 down and 2 left of you.'}
     assert walk('up', 'right', first=away) == pytest.approx(-2 / 3)  # 3 -> 5 away
+    for observation in ('goal', 'position'):  # the env's own first board, either observation
+        first, info, _ = asyncio.run(frozen_lake.FrozenLakeEnv({'seed': 3, 'observation': observation}).reset(None))
+        assert walk(*shortest_path(info['grid']), first={'role': 'user', 'content': first}) == 1.0
     assert reward_funcs['progress'] is frozen_lake.progress_reward
 
 
@@ -475,6 +478,7 @@ GuessEnv.default_reward_funcs = {'digits_only': 0.2}
 GuessEnv.eval_rows = classmethod(lambda cls, n, env_config: [{'messages': [], 'env_config': {**env_config, 'seed': 10_000 + i}}
                                                              for i in range(n)])
 GuessEnv.is_success = classmethod(lambda cls, rollout_infos: rollout_infos['total_reward'] >= 1.0)
+GuessEnv.draw = classmethod(lambda cls, ax, rollout_infos: ax.set_title(' '.join(i['status'] for i in rollout_infos['step_infos'])))
 envs['guess'] = GuessEnv
 reward_funcs['digits_only'] = digits_only
 '''
@@ -546,6 +550,8 @@ def test_each_task_brings_its_own_rewards_and_held_out_rows(tmp_path):
         'messages': [], 'env_config': {'seed': 10_000}})
     assert env_cls.is_success({'total_reward': 1.0}) and reward_funcs['digits_only'](
         [{'role': 'assistant', 'content': '7'}, {'role': 'assistant', 'content': 'seven'}]) == 0.5
+    logs.draw_games(str(tmp_path), [(0, [{'step_infos': [{'status': 'miss'}, {'status': 'win'}]}])], env_cls)
+    assert (tmp_path / 'agent.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
 
 # ---------------------------------------------------------------- GRPO math
