@@ -36,10 +36,15 @@ _WORD = re.compile(r'\b(up|down|left|right)\b', re.IGNORECASE)
 EVAL_SEED_BASE = 100_000  # held-out maps use seeds 100000.. : far from data.jsonl's 0..127
 
 
+def find(grid: List[str], cell: str):
+    """(row, col) of the first `cell` on the grid."""
+    return next((r, c) for r, line in enumerate(grid) for c, ch in enumerate(line) if ch == cell)
+
+
 def shortest_path(grid: List[str]) -> Optional[List[str]]:
     """BFS from S to G around the holes: the list of moves, or None when G is unreachable."""
     size = len(grid)
-    start = next((r, c) for r in range(size) for c in range(size) if grid[r][c] == 'S')
+    start = find(grid, 'S')
     parent = {start: None}
     queue = deque([start])
     while queue:
@@ -85,7 +90,7 @@ def render(grid: List[str], row: int, col: int) -> str:
 def goal_hint(grid: List[str], row: int, col: int) -> str:
     """Where G lies from the player, in the action words: 'The goal is 2 down and 1 left of you.'
     It restates what the grid shows; a 135M model learns to read it far sooner than the grid."""
-    goal_row, goal_col = next((r, c) for r, line in enumerate(grid) for c, ch in enumerate(line) if ch == 'G')
+    goal_row, goal_col = find(grid, 'G')
     d_row, d_col = goal_row - row, goal_col - col
     parts = [f'{abs(d)} {word}' for d, word in ((d_row, 'down' if d_row > 0 else 'up'),
                                                 (d_col, 'right' if d_col > 0 else 'left')) if d]
@@ -120,7 +125,7 @@ def progress_reward(messages: Messages) -> float:
     `format`: README, "Why seed 1 wandered"."""
     board = next(m['content'] for m in messages if m['role'] == 'user').splitlines()
     grid = [''.join(cells) for cells in map(str.split, board) if cells and all(len(c) == 1 for c in cells)]
-    (row, col), goal = [next((r, c) for r, line in enumerate(grid) for c, ch in enumerate(line) if ch == x) for x in 'PG']
+    (row, col), goal = find(grid, 'P'), find(grid, 'G')
     start = abs(goal[0] - row) + abs(goal[1] - col)
     for reply in (m['content'] for m in messages if m['role'] == 'assistant'):
         move = parse_action(reply)
@@ -154,7 +159,7 @@ class FrozenLakeEnv(Env):
                 ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, facecolor=colours[cell], edgecolor='white', lw=2))
                 if cell in 'SG':
                     ax.text(c, r, cell, ha='center', va='center', fontsize=14, weight='bold', zorder=3)
-        path = [next((r, c) for r, line in enumerate(grid) for c, ch in enumerate(line) if ch == 'S')]
+        path = [find(grid, 'S')]
         path += [tuple(i['position']) for i in rollout_infos.get('step_infos', []) if 'position' in i]
         ax.plot([c for r, c in path], [r for r, c in path], '-o', color='#d62728', lw=3, ms=5, alpha=0.8)
         ax.set(xlim=(-0.5, len(grid) - 0.5), ylim=(len(grid) - 0.5, -0.5), xticks=[], yticks=[], aspect='equal')
@@ -181,7 +186,7 @@ class FrozenLakeEnv(Env):
 
     async def reset(self, config: RolloutInferRequest):
         self.grid = generate_random_map(self.size, self.p, self.seed)
-        self.row, self.col = next((r, c) for r, line in enumerate(self.grid) for c, ch in enumerate(line) if ch == 'S')
+        self.row, self.col = find(self.grid, 'S')
         return self.board(), {'seed': self.seed, 'grid': self.grid}, SYSTEM_PROMPT
 
     async def step(self, action: Messages):
