@@ -41,6 +41,11 @@ def find(grid: List[str], cell: str):
     return next((r, c) for r, line in enumerate(grid) for c, ch in enumerate(line) if ch == cell)
 
 
+def moved(grid: List[str], row: int, col: int, move: str):
+    """Where one move leads: one cell that way; off the grid, stay (as in Gymnasium)."""
+    return (min(max(row + MOVES[move][0], 0), len(grid) - 1), min(max(col + MOVES[move][1], 0), len(grid) - 1))
+
+
 def shortest_path(grid: List[str]) -> Optional[List[str]]:
     """BFS from S to G around the holes: the list of moves, or None when G is unreachable."""
     size = len(grid)
@@ -130,8 +135,7 @@ def progress_reward(messages: Messages) -> float:
     for reply in (m['content'] for m in messages if m['role'] == 'assistant'):
         move = parse_action(reply)
         if move:
-            row = min(max(row + MOVES[move][0], 0), len(grid) - 1)
-            col = min(max(col + MOVES[move][1], 0), len(grid) - 1)
+            row, col = moved(grid, row, col, move)
             if grid[row][col] in 'HG':
                 break
     return (start - abs(goal[0] - row) - abs(goal[1] - col)) / start
@@ -159,11 +163,10 @@ class FrozenLakeEnv(Env):
                 ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, facecolor=colours[cell], edgecolor='white', lw=2))
                 if cell in 'SG':
                     ax.text(c, r, cell, ha='center', va='center', fontsize=14, weight='bold', zorder=3)
-        path = [find(grid, 'S')]
-        path += [tuple(i['position']) for i in rollout_infos.get('step_infos', []) if 'position' in i]
+        steps = rollout_infos.get('step_infos', [])
+        path = [find(grid, 'S')] + [tuple(i['position']) for i in steps if 'position' in i]
         ax.plot([c for r, c in path], [r for r, c in path], '-o', color='#d62728', lw=3, ms=5, alpha=0.8)
         ax.set(xlim=(-0.5, len(grid) - 0.5), ylim=(len(grid) - 0.5, -0.5), xticks=[], yticks=[], aspect='equal')
-        steps = rollout_infos.get('step_infos', [])
         end = steps[-1]['status'] if steps and steps[-1].get('status') in ('goal', 'hole') else rollout_infos.get('stop_reason')
         ax.set_title(f'{end}, {len(steps)} replies', fontsize=9)
 
@@ -195,9 +198,7 @@ class FrozenLakeEnv(Env):
             observation = ('Invalid reply. Answer with exactly one of <action>up</action>, <action>down</action>, '
                            f'<action>left</action>, <action>right</action>.\n{self.board()}')
             return observation, 0.0, False, {'status': 'invalid', 'action': None}
-        dr, dc = MOVES[move]
-        self.row = min(max(self.row + dr, 0), self.size - 1)
-        self.col = min(max(self.col + dc, 0), self.size - 1)
+        self.row, self.col = moved(self.grid, self.row, self.col, move)
         cell = self.grid[self.row][self.col]
         board = render(self.grid, self.row, self.col)
         info = {'action': move, 'position': [self.row, self.col]}

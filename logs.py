@@ -161,7 +161,6 @@ class RunLog:
         result = evaluate(rollouts, rows, env_cls, temperature)
         seconds, examples = time.time() - t0, result.pop('examples')
         self.games.append((step, result.pop('games')))
-        self.env_cls = env_cls
         score = f"reward {result['reward']:.3f}"
         if 'success' in result:
             score = f"success {result['success']:.1%} [{result['success_low']:.1%}, {result['success_high']:.1%}]"
@@ -173,8 +172,8 @@ class RunLog:
         self._write({'step': step, **{f'eval/{k}': v for k, v in result.items()}}, '\n\n'.join(shown))
         return result
 
-    def finish(self, before, after):
-        """The before/after line and curve.png."""
+    def finish(self, before, after, env_cls):
+        """The before/after line, curve.png and agent.png."""
         if not self.active:
             return
         for board in self.dashboards:
@@ -183,8 +182,8 @@ class RunLog:
             key, spec = ('success', '.1%') if 'success' in after else ('reward', '.3f')
             print(f'held-out {key}: before {before[key]:{spec}} -> after {after[key]:{spec}}')
         plot(self.output_dir)
-        if self.games and self.env_cls.draw:
-            draw_games(self.output_dir, [self.games[0], self.games[-1]], self.env_cls)
+        if self.games and env_cls.draw:
+            draw_games(self.output_dir, [self.games[0], self.games[-1]], env_cls)
 
 
 def plot(output_dir: str):

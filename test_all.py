@@ -1123,10 +1123,11 @@ def test_lora_weights_reach_vllm_merged(tiny_model_dir):
 def test_train_lora_end_to_end_resume_evaluate_and_merge(tmp_path, tiny_model_dir):
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM
-    flags = ['--engine', 'vllm', '--tuner_type', 'lora', '--lora_rank', '4', '--beta', '0.1']
+    flags = ['--engine', 'vllm', '--tuner_type', 'lora', '--lora_rank', '4', '--beta', '0.1', '--env', 'frozen_lake']
     out = run_train(tmp_path, tiny_model_dir, *flags)
     assert 'trainable parameters: ' in out and '(lora)' in out
     folder = tmp_path / 'out'
+    assert (folder / 'agent.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'  # FrozenLake draws its games
     assert all(m['logprob_gap'] < 1e-3 for m in step_records(folder))
     checkpoint = folder / 'checkpoint-2'
     assert (checkpoint / 'adapter_model.safetensors').exists() and not (checkpoint / 'model.safetensors').exists()

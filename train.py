@@ -303,7 +303,7 @@ def main(args: Args):
         if world > 1:
             dist.barrier()  # a resume finds the checkpoint whole on every process
     after = evaluation(args.max_steps, 'after')
-    log.finish(before, after)
+    log.finish(before, after, env_cls)
     return after
 
 
