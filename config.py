@@ -69,7 +69,7 @@ class Args:
     gradient_checkpointing: bool = field(default=True, metadata={'help': 'recompute activations in backward: less memory, about a third more time'})
     max_grad_norm: float = field(default=1.0, metadata={'help': 'gradient clipping'})
     # ---- run ----
-    max_steps: int = field(default=20, metadata={'help': 'optimizer steps'})
+    max_steps: int = field(default=26, metadata={'help': 'optimizer steps'})
     eval_steps: int = field(default=20, metadata={'help': 'evaluate every N steps (0: only before and after)'})
     eval_size: int = field(default=256, metadata={'help': 'most held-out rows to evaluate on (0: no evaluation)'})
     eval_temperature: float = field(default=0.0, metadata={'help': 'sampling temperature of evaluation (0: greedy)'})
