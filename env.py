@@ -67,6 +67,16 @@ class Env(ABC):
 
     draw = None  # optional classmethod draw(ax, rollout_infos): one evaluated game on a matplotlib axis (agent.png)
 
+    def state_key(self):
+        """A JSON-able key of the env's state now: --advantage_estimator gigpo compares the turns
+        that start from equal keys. None: the observation text stands for the state."""
+        return None
+
+    def expert_reply(self) -> Optional[str]:
+        """What an expert would reply now (the conformance check plays it; a warm start could
+        learn from it). None: the env has no expert."""
+        return None
+
     # ---- the interface of the document ----
     def __init__(self, env_config):
         """env_config comes from the dataset row's `env_config` column."""

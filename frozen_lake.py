@@ -46,10 +46,11 @@ def moved(grid: List[str], row: int, col: int, move: str):
     return (min(max(row + MOVES[move][0], 0), len(grid) - 1), min(max(col + MOVES[move][1], 0), len(grid) - 1))
 
 
-def shortest_path(grid: List[str]) -> Optional[List[str]]:
-    """BFS from S to G around the holes: the list of moves, or None when G is unreachable."""
+def shortest_path(grid: List[str], start=None) -> Optional[List[str]]:
+    """BFS to G around the holes, from S or `start` (row, col): the list of moves, or None when G
+    is unreachable."""
     size = len(grid)
-    start = find(grid, 'S')
+    start = start or find(grid, 'S')
     parent = {start: None}
     queue = deque([start])
     while queue:
@@ -128,6 +129,7 @@ def progress_reward(messages: Messages) -> float:
     Distances are Manhattan; a hole ends the walk where it is. The walk is replayed from the first
     board and the replies, so it needs nothing but the messages. Why it is the default rather than
     `format`: README, "Why seed 1 wandered"."""
+    # BEGIN SOLUTION exercise 1: the progress reward
     board = next(m['content'] for m in messages if m['role'] == 'user').splitlines()
     grid = [''.join(cells) for cells in map(str.split, board) if cells and all(len(c) == 1 for c in cells)]
     (row, col), goal = find(grid, 'P'), find(grid, 'G')
@@ -139,6 +141,7 @@ def progress_reward(messages: Messages) -> float:
             if grid[row][col] in 'HG':
                 break
     return (start - abs(goal[0] - row) - abs(goal[1] - col)) / start
+    # END SOLUTION
 
 
 class FrozenLakeEnv(Env):
@@ -207,6 +210,12 @@ class FrozenLakeEnv(Env):
         if cell == 'H':
             return f'You moved {move} and fell into a hole.\n{board}', 0.0, True, {**info, 'status': 'hole'}
         return f'You moved {move}.\n{self.board()}', 0.0, False, {**info, 'status': 'ok'}
+
+    def state_key(self):
+        return self.row, self.col  # the map is the group's: the cell is the state
+
+    def expert_reply(self):
+        return f'<action>{shortest_path(self.grid, (self.row, self.col))[0]}</action>'
 
     async def close(self):
         pass

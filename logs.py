@@ -19,6 +19,7 @@ import time
 from typing import Optional
 
 import torch
+from tqdm import tqdm
 
 from scheduler import Trajectory
 
@@ -40,10 +41,14 @@ def success_interval(successes: int, n: int, z: float = 1.96):
 GAMES_SHOWN = 4  # held-out games in agent.png, per evaluation
 
 
-def evaluate(rollouts, rows, env_cls, temperature: float) -> dict:
+def evaluate(rollouts, rows, env_cls, temperature: float, chunk: int = 32, progress: bool = False) -> dict:
     """One trajectory per held-out row: the mean gym reward, and success with its interval when the
-    env says what success is."""
-    trajectories = rollouts.rollout(rows, 1, temperature)
+    env says what success is. The games are played `chunk` at a time, the size of a training
+    step's batch: all of them at once would not fit the engine's KV cache, which would then drop
+    and recompute the conversations it shares between turns (docs/speed-and-scaling.md)."""
+    trajectories = []
+    for i in tqdm(range(0, len(rows), chunk), desc='eval', unit='chunk', disable=not progress, leave=False):
+        trajectories += rollouts.rollout(rows[i:i + chunk], 1, temperature)
     result = {'reward': sum(t.rollout_infos.get('total_reward', 0.0) for t in trajectories) / len(trajectories)}
     wins = [env_cls.is_success(t.rollout_infos) for t in trajectories]
     if None not in wins:
@@ -55,14 +60,17 @@ def evaluate(rollouts, rows, env_cls, temperature: float) -> dict:
 
 
 def show(trajectory: Trajectory, tokenizer) -> str:
-    """A trajectory decoded for the log, with the model's own tokens in [[...]]."""
-    text, ids, mask = '', trajectory.token_ids, trajectory.loss_mask
-    start = 0
-    for i in range(1, len(ids) + 1):
-        if i == len(ids) or mask[i] != mask[start]:
-            piece = tokenizer.decode(ids[start:i])
-            text += f'[[{piece}]]' if mask[start] else piece
-            start = i
+    """A trajectory decoded for the log, with the model's own tokens in [[...]] (and a line
+    between segments, when a scheduler rewrote history)."""
+    text = ''
+    for k, segment in enumerate(trajectory.segments):
+        ids, mask, start = segment.token_ids, segment.loss_mask, 0
+        text += f'\n---- segment {k + 1}\n' if k else ''
+        for i in range(1, len(ids) + 1):
+            if i == len(ids) or mask[i] != mask[start]:
+                piece = tokenizer.decode(ids[start:i])
+                text += f'[[{piece}]]' if mask[start] else piece
+                start = i
     infos = trajectory.rollout_infos
     return text + f"\n  -> {infos.get('stop_reason')}, reward {infos.get('total_reward')}"
 
@@ -97,7 +105,6 @@ class RunLog:
     def progress(self, steps, start: int, total: int):
         if not self.active:
             return steps
-        from tqdm import tqdm
         return tqdm(steps, desc='steps', initial=start, total=total)
 
     def _write(self, record: dict, text: str = None):
@@ -117,13 +124,12 @@ class RunLog:
 
     def step(self, step: int, parts, group_size: int):
         """metrics.jsonl and completions.jsonl records of one step, and its line. parts: per process,
-        (trajectories, reward columns, rewards, advantages, update stats)."""
+        (trajectories, grpo.Scores, update stats)."""
         if not self.active:
             return
-        from tqdm import tqdm
         trajectories = sum((p[0] for p in parts), [])
-        columns, rewards, advantages = (torch.cat([p[k] for p in parts]) for k in (1, 2, 3))
-        stats = {k: (sum if k == 'overlong_filtered' else mean)([p[4][k] for p in parts]) for k in parts[0][4]}
+        columns, rewards, advantages = (torch.cat([getattr(p[1], k) for p in parts]) for k in ('columns', 'rewards', 'advantages'))
+        stats = {k: (sum if k == 'overlong_filtered' else mean)([p[2][k] for p in parts]) for k in parts[0][2]}
         grouped = rewards.view(-1, group_size)  # (groups, G)
         record = {
             'step': step,
@@ -133,7 +139,7 @@ class RunLog:
             'env_errors': sum(t.stop_reason == 'error' for t in trajectories),
             'valid_actions': valid_share(trajectories),
             'turns': sum(t.num_turns for t in trajectories) / len(trajectories),
-            'sampled_tokens': sum(sum(t.loss_mask) for t in trajectories),
+            'sampled_tokens': sum(sum(s.loss_mask) for t in trajectories for s in t.segments),
             **stats,
         }
         self._write(record)
@@ -142,7 +148,8 @@ class RunLog:
                 'step': step, 'env': (t.request.data_dict.get('env_config') or {}).get('name') or self.gym_env,
                 'env_config': t.request.data_dict.get('env_config'), 'messages': t.request.messages,
                 'rewards': dict(zip(self.column_names, col)), 'reward': r, 'advantage': a,
-                'rollout_infos': t.rollout_infos}) + '\n')
+                'rollout_infos': t.rollout_infos,  # and each segment's conversation, when a scheduler rewrote history
+                **({'segments': [s.messages for s in t.segments]} if len(t.segments) > 1 else {})}) + '\n')
         self.completions.flush()
         gym = record.get('reward/gym')
         variants = ''.join(f' {key} {stats[key]:.3g}' for key in ('resample_rounds', 'overlong_filtered', 'is_clipped')
@@ -153,12 +160,13 @@ class RunLog:
                    f"loss {stats['loss']:.4f} kl {stats['kl']:.4f} gap {fmt(stats['logprob_gap'], '.2e')}{variants} "
                    f"| rollout {stats['rollout_s']:.0f}s train {stats['train_s']:.0f}s sync {stats['sync_s']:.1f}s")
 
-    def evaluation(self, step: int, tag: str, rollouts, rows, env_cls, temperature: float) -> dict:
-        """Evaluate; print its line and two examples; write its metrics.jsonl record."""
+    def evaluation(self, step: int, tag: str, rollouts, rows, env_cls, temperature: float, chunk: int) -> dict:
+        """Evaluate (a progress bar over chunks of games); print its line and two examples; write its
+        metrics.jsonl record."""
         if not self.active:
             return None
         t0 = time.time()
-        result = evaluate(rollouts, rows, env_cls, temperature)
+        result = evaluate(rollouts, rows, env_cls, temperature, chunk, progress=True)
         seconds, examples = time.time() - t0, result.pop('examples')
         self.games.append((step, result.pop('games')))
         score = f"reward {result['reward']:.3f}"

@@ -1,4 +1,4 @@
-"""Server mode: the rollout server, holding vLLM, the GYMScheduler and the envs, on FastAPI.
+"""Server mode: the rollout server, holding vLLM, the scheduler and the envs, on FastAPI.
 
 The document's "Server 模式" (`swift rollout`; the trainer with `--vllm_mode server`):
     python server.py --gym_env frozen_lake --max_turns 10                                  # terminal 1
@@ -6,7 +6,7 @@ The document's "Server 模式" (`swift rollout`; the trainer with `--vllm_mode s
 1. GET /health -> {fingerprint, boot, max_turns, gym_env}: the trainer refuses another
    architecture, tokenizer or --max_turns, and notices a restart (a new boot id).
 2. POST /rollout {rows, num_generations, temperature, max_completion_length} -> {trajectories}:
-   each played by GYMScheduler.run(), all concurrently, and returned whole (ids, masks, logprobs).
+   each played by the scheduler's run(), all concurrently, and returned whole (ids, masks, logprobs).
 3. POST /update_weights, body = the state dict in safetensors format (no pickle over the wire).
 The server owns the game (--gym_env, --max_turns, plugins); the trainer sends its sampling
 settings with each request. Oversized requests get 413; /health answers during a rollout.
@@ -26,7 +26,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 import frozen_lake  # noqa: F401  (registers envs['frozen_lake'])
 from env import UserError, env_name, envs, load_plugins
-from scheduler import GYMScheduler, requests_for
+from scheduler import check_scheduler, multi_turns, requests_for
 
 MAX_ROLLOUT_BYTES = 16 * 2**20  # a /rollout body: rows are small; this is thousands of them
 
@@ -42,7 +42,8 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--model', help='local folder or hub id; default: the embedded SmolLM2-135M-Instruct')
     parser.add_argument('--gym_env', default='frozen_lake', help='env for rows without env_config.name')
-    parser.add_argument('--external_plugins', nargs='*', default=[], help='python files that register envs')
+    parser.add_argument('--external_plugins', nargs='*', default=[], help='python files that register envs, rewards, schedulers')
+    parser.add_argument('--multi_turn_scheduler', default='gym_scheduler', help='a name in scheduler.multi_turns')
     parser.add_argument('--max_turns', type=int, default=10, help='most model replies per trajectory')
     parser.add_argument('--host', default='127.0.0.1', help='address to listen on')
     parser.add_argument('--port', type=int, default=8000, help='port to listen on')
@@ -55,6 +56,7 @@ def parse_args(argv=None):
     if args.max_turns < 1 or args.max_trajectories < 1:
         raise UserError('--max_turns and --max_trajectories must be at least 1')
     load_plugins(args.external_plugins)
+    check_scheduler(args.multi_turn_scheduler)
     if args.gym_env not in envs:
         raise UserError(f'--gym_env {args.gym_env}: not registered; registered: {", ".join(sorted(envs))}')
     return args
@@ -141,8 +143,8 @@ def serve(args):
         weight_bytes = sum(4 * t.numel() for t in AutoModelForCausalLM.from_config(config).state_dict().values())
     engine = VLLMEngine(path, args.seed, args.vllm_max_model_len, args.vllm_kv_cache_gib,
                         args.vllm_gpu_memory_utilization)
-    scheduler = GYMScheduler(engine, tokenizer, max_turns=args.max_turns, gym_env=args.gym_env,
-                             max_model_len=args.vllm_max_model_len)
+    scheduler = multi_turns[args.multi_turn_scheduler](engine, args.max_turns, tokenizer=tokenizer, gym_env=args.gym_env,
+                                                       max_model_len=args.vllm_max_model_len)
     identity = {'fingerprint': fingerprint(tokenizer, config), 'boot': uuid.uuid4().hex,
                 'max_turns': args.max_turns, 'gym_env': args.gym_env}
     app = build_app(scheduler, engine, identity, args.max_trajectories, weight_bytes + 2**20)

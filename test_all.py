@@ -8,6 +8,7 @@ slow: the real thing on a tiny random Llama: trainer logprobs, train.py end to e
       python -m pytest -q -rs test_all.py
 """
 import asyncio
+import copy
 import importlib.util
 import json
 import multiprocessing
@@ -33,7 +34,7 @@ from env import Env, RolloutInferRequest, UserError, envs, load_dataset, load_pl
 from frozen_lake import MOVES, generate_random_map, parse_action, shortest_path
 import logs
 from logs import evaluate
-from scheduler import GYMScheduler, Trajectory, rollout
+from scheduler import GYMScheduler, HintScheduler, Segment, Trajectory, multi_turns, requests_for, rollout
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 slow = pytest.mark.slow
@@ -100,7 +101,7 @@ def bfs_policy(text):
 
 
 def gym(tokenizer, policy, max_turns=10, **kw):
-    return GYMScheduler(ScriptedEngine(tokenizer, policy), tokenizer, max_turns=max_turns, gym_env='frozen_lake', **kw)
+    return GYMScheduler(ScriptedEngine(tokenizer, policy), tokenizer=tokenizer, max_turns=max_turns, gym_env='frozen_lake', **kw)
 
 
 def requests(seeds, name=None):
@@ -159,11 +160,11 @@ class SlowEnv(Env):
 
 @pytest.fixture(autouse=True)
 def test_envs():
-    """Registers the test envs for one test, and leaves both registries as they were after it."""
-    saved = dict(envs), dict(reward_funcs)
+    """Registers the test envs for one test, and leaves the registries as they were after it."""
+    saved = dict(envs), dict(reward_funcs), dict(multi_turns)
     envs.update(counting_lake=CountingEnv, echo=EchoEnv, broken_lake=BrokenEnv, slow=SlowEnv)
     yield
-    for registry, before in zip((envs, reward_funcs), saved):
+    for registry, before in zip((envs, reward_funcs, multi_turns), saved):
         registry.clear()
         registry.update(before)
 
@@ -246,8 +247,8 @@ def test_mixed_batch_is_routed_per_row(tokenizer):
 def test_run_and_run_multi_turn_agree(tokenizer):
     scheduler = gym(tokenizer, bfs_policy)
     calls = []
-    generate = scheduler.engine.generate
-    scheduler.engine.generate = lambda prompts, *a: calls.append(len(prompts)) or generate(prompts, *a)
+    generate = scheduler.infer_engine.generate
+    scheduler.infer_engine.generate = lambda prompts, *a: calls.append(len(prompts)) or generate(prompts, *a)
     batched = rollout(scheduler, requests(range(20)))
     assert len(calls) == max(t.num_turns for t in batched)  # one engine call per turn
 
@@ -258,8 +259,8 @@ def test_run_and_run_multi_turn_agree(tokenizer):
     assert len(calls) == max(t.num_turns for t in single) and calls[0] == 20  # concurrent run()s share calls
     one_by_one = [asyncio.run(scheduler.run(r)) for r in requests(range(20))]
     for a, b, c in zip(batched, single, one_by_one):
-        assert (a.token_ids, a.loss_mask, a.request.messages) == (b.token_ids, b.loss_mask, b.request.messages)
-        assert a.rollout_infos == b.rollout_infos and (c.token_ids, c.rollout_infos) == (a.token_ids, a.rollout_infos)
+        assert (a.segments, a.request.messages) == (b.segments, b.request.messages)
+        assert a.rollout_infos == b.rollout_infos and (c.segments, c.rollout_infos) == (a.segments, a.rollout_infos)
 
 
 def test_token_in_token_out_with_the_real_chat_template(tokenizer):
@@ -274,39 +275,113 @@ def test_token_in_token_out_with_the_real_chat_template(tokenizer):
 
     scheduler = gym(tokenizer, policy, max_completion_length=64)
     for t in rollout(scheduler, requests(range(30))):
+        (segment,) = t.segments
         # the masked tokens are exactly the sampled ids, in order ...
-        picked = [i for i, m in zip(t.token_ids, t.loss_mask) if m]
+        picked = [i for i, m in zip(segment.token_ids, segment.loss_mask) if m]
         replies = [m['content'] for m in t.request.messages if m['role'] == 'assistant']
         expected = sum((tokenizer.encode(r, add_special_tokens=False) + [tokenizer.eos_token_id] for r in replies), [])
         assert picked == expected
         # ... and the whole sequence is what the chat template makes of the conversation.
-        assert tokenizer.decode(t.token_ids) == tokenizer.apply_chat_template(t.request.messages, tokenize=False)
-        assert len(t.logprobs) == len(t.token_ids)
+        assert tokenizer.decode(segment.token_ids) == tokenizer.apply_chat_template(t.request.messages, tokenize=False)
+        assert len(segment.logprobs) == len(segment.turns) == len(segment.token_ids)
+        assert [k for k, m in zip(segment.turns, segment.loss_mask) if m] == sorted(k for k in segment.turns if k)
 
 
-def test_a_hook_subclass_customises_the_conversation(tokenizer):
-    class HintScheduler(GYMScheduler):
-        """Shortens each observation to the grid alone and adds a hint after invalid replies."""
+TOOL_PLUGIN = '''
+from env import reward_funcs
+from scheduler import MultiTurnScheduler, multi_turns  # in ms-swift: from swift.rollout.multi_turn import ...
 
-        async def step(self, req, completion, turn):
-            req = (await super().step(req, completion, turn))['infer_request']
-            grid = '\n'.join(req.messages[-1]['content'].splitlines()[-5:-1] or req.messages[-1]['content'].splitlines())
-            req.messages[-1] = {'role': 'user', 'content': grid + ('\nHint: use <action>' if 'Invalid' in req.messages[-1]['content'] else '')}
-            return {'infer_request': req}
 
-    scheduler = HintScheduler(ScriptedEngine(tokenizer, lambda t: 'no idea'), tokenizer, max_turns=3, gym_env='frozen_lake')
-    (t,) = rollout(scheduler, requests([0]))
-    assert t.request.messages[3]['content'].endswith('Hint: use <action>')
-    assert tokenizer.decode(t.token_ids) == tokenizer.apply_chat_template(t.request.messages, tokenize=False)
+class ToolScheduler(MultiTurnScheduler):
+    """Written as ms-swift's ToolCallScheduler is: plain def hooks, response_choice, the tool's
+    result appended to the assistant's message with loss mask 0, the model continuing it."""
 
-    class RewritingScheduler(GYMScheduler):
-        async def step(self, req, completion, turn):
-            req.messages = req.messages[:1]  # drops history: not token-in/token-out
-            return {'infer_request': req}
+    def check_finished(self, infer_request, response_choice, current_turn):
+        return current_turn >= self.max_turns  # (ms-swift's default also ends a reply cut by length)
 
-    with pytest.raises(RuntimeError, match='append-only'):
-        rollout(RewritingScheduler(ScriptedEngine(tokenizer, lambda t: 'x'), tokenizer, gym_env='frozen_lake'),
-                requests([0]))
+    def step(self, infer_request, response_choice, current_turn):
+        result = f' [tool: {len(response_choice.message.content)} characters]'
+        infer_request.messages[-1]['content'] += result
+        token_ids = list(response_choice.token_ids)
+        result_ids = self.tokenizer.encode(result, add_special_tokens=False)
+        return {'infer_request': infer_request, 'response_token_ids': token_ids + result_ids,
+                'response_loss_mask': [1] * len(token_ids) + [0] * len(result_ids),
+                'rollout_infos': {'tool_calls': current_turn}}
+
+
+def reply_length(messages):
+    return len(messages[-1]['content']) / 100
+
+
+multi_turns['tool_scheduler'] = ToolScheduler
+reward_funcs['reply_length'] = reply_length
+'''
+
+
+def test_hooks_may_be_plain_or_async_and_append_to_the_conversation(tokenizer):
+    class Shorter(GYMScheduler):  # an async step on top of the plain one: keep only the grid and the goal line
+        async def step(self, req, response_choice, turn):
+            ret = super().step(req, response_choice, turn)
+            req.messages[-1]['content'] = '\n'.join(req.messages[-1]['content'].splitlines()[-5:])
+            return ret
+
+    for cls in (Shorter, HintScheduler):
+        scheduler = cls(ScriptedEngine(tokenizer, lambda t: 'no idea'), 3, tokenizer=tokenizer, gym_env='frozen_lake')
+        (t,) = rollout(scheduler, requests([0]))
+        (segment,) = t.segments  # append-only: one token sequence
+        assert tokenizer.decode(segment.token_ids) == tokenizer.apply_chat_template(t.request.messages, tokenize=False)
+        assert t.num_turns == 3 and t.request.messages[3]['content'].count('Invalid reply') == (cls is HintScheduler)
+    assert t.request.messages[3]['content'].endswith(HintScheduler.hint)
+
+
+def test_a_scheduler_written_for_ms_swift_runs_here(tokenizer, tmp_path):
+    (tmp_path / 'tool.py').write_text(TOOL_PLUGIN)
+    load_plugins([str(tmp_path / 'tool.py')])
+    scheduler = multi_turns['tool_scheduler'](ScriptedEngine(tokenizer, lambda t: 'calc'), 3, tokenizer=tokenizer)
+    (t,) = rollout(scheduler, [RolloutInferRequest([{'role': 'user', 'content': 'Add 2 and 3.'}])])
+    (segment,) = t.segments
+    assert t.num_turns == 3 and t.rollout_infos['tool_calls'] == 2 and t.stop_reason == 'max_turns'
+    assert [m['role'] for m in t.request.messages] == ['user', 'assistant']  # three replies continue one message
+    sampled = [i for i, m in zip(segment.token_ids, segment.loss_mask) if m]
+    reply = tokenizer.encode('calc', add_special_tokens=False) + [tokenizer.eos_token_id]
+    assert sampled == reply * 3 and segment.turns.count(2) == len(reply)  # the tool's tokens have mask 0
+    assert tokenizer.decode(segment.token_ids).count('[tool: 4 characters]') == 2
+
+
+def test_a_hook_that_rewrites_history_starts_a_new_segment(tokenizer):
+    from scheduler import WindowScheduler
+    replies = iter(f'<action>{m}</action>' for m in ['left', 'right'] * 9)
+    scheduler = WindowScheduler(ScriptedEngine(tokenizer, lambda t: next(replies)), 6, tokenizer=tokenizer,
+                                gym_env='frozen_lake')
+    (t,) = rollout(scheduler, requests([0]))  # map 0: S on the left edge, ice to its right: bump, step, back, ...
+    assert t.num_turns == 6 and len(t.segments) == 4  # turns 1-3, then one segment per turn past the window
+    for segment in t.segments:  # each exactly what the chat template makes of its own conversation
+        assert tokenizer.decode(segment.token_ids) == tokenizer.apply_chat_template(segment.messages, tokenize=False)
+        assert segment.messages[:2] == t.request.messages[:2] and len(segment.messages) <= 2 + 2 * 2 + 1 + 2
+    sampled = [(k, i) for s in t.segments for i, m, k in zip(s.token_ids, s.loss_mask, s.turns) if m]
+    reply = len(tokenizer.encode('<action>left</action>', add_special_tokens=False)) + 1
+    assert [k for k, _ in sampled] == [k for k in range(1, 7) for _ in range(reply)]  # every reply once, in order
+    one = [Trajectory(RolloutInferRequest([]), t.segments), Trajectory(RolloutInferRequest([]), t.segments[:1])]
+    batches = grpo.micro_batches(one, torch.tensor([1.0, -1.0]), size=8, pad_id=0, loss_type='grpo', num_tokens=1,
+                                 max_sampled=1)
+    weights = sum((b.token_weights * b.loss_mask).sum() for b in batches)
+    assert weights.item() == pytest.approx(2.0)  # --loss_type grpo: each trajectory's tokens weigh 1 in all
+
+
+def test_bad_schedulers_are_refused_in_one_line(tokenizer):
+    from scheduler import check_scheduler
+
+    class NoDict(GYMScheduler):
+        def step(self, req, response_choice, turn):
+            return req
+
+    with pytest.raises(UserError, match=r"^NoDict.step returned RolloutInferRequest: it must return a dict with 'infer_request'$"):
+        rollout(NoDict(ScriptedEngine(tokenizer, lambda t: 'x'), 2, tokenizer=tokenizer, gym_env='frozen_lake'), requests([0]))
+    multi_turns['not_one'] = EchoEnv
+    with pytest.raises(UserError, match=r"^--multi_turn_scheduler not_one: multi_turns\['not_one'\] is <class .*EchoEnv'>, not a MultiTurnScheduler subclass$"):
+        check_scheduler('not_one')
+    with pytest.raises(UserError, match='^--multi_turn_scheduler chess: not registered; registered: gym_scheduler, hint_scheduler, '):
+        config.check_args(config.parse_args(['--multi_turn_scheduler', 'chess']))
 
 
 def test_env_errors_end_only_their_own_trajectory(tokenizer):
@@ -327,8 +402,8 @@ def test_env_errors_end_only_their_own_trajectory(tokenizer):
 
 def test_context_limit_ends_cleanly(tokenizer):
     (t,) = rollout(gym(tokenizer, lambda text: 'nothing', max_model_len=400, max_completion_length=32), requests([0]))
-    assert t.rollout_infos['stop_reason'] == 'context_limit' and len(t.token_ids) <= 400 - 32
-    assert tokenizer.decode(t.token_ids) == tokenizer.apply_chat_template(t.request.messages, tokenize=False)
+    assert t.rollout_infos['stop_reason'] == 'context_limit' and len(t.segments[0].token_ids) <= 400 - 32
+    assert tokenizer.decode(t.segments[0].token_ids) == tokenizer.apply_chat_template(t.request.messages, tokenize=False)
     (t,) = rollout(gym(tokenizer, lambda text: 'word ' * 50, max_completion_length=8), requests([0]))
     assert t.rollout_infos['stop_reason'] == 'length' and t.num_turns == 1
 
@@ -362,7 +437,7 @@ def test_held_out_maps_have_the_training_rows_settings(tmp_path):
 
 
 def test_envs_wait_together_in_both_drivers(tokenizer):
-    scheduler = GYMScheduler(ScriptedEngine(tokenizer, lambda text: 'x'), tokenizer, max_turns=3, gym_env='slow')
+    scheduler = GYMScheduler(ScriptedEngine(tokenizer, lambda text: 'x'), tokenizer=tokenizer, max_turns=3, gym_env='slow')
     SlowEnv.most = 0
     trajectories = rollout(scheduler, requests(range(16), name='slow'))
     assert all(t.num_turns == 3 for t in trajectories)
@@ -405,7 +480,7 @@ def test_evaluation_is_the_tasks_own(tokenizer, tmp_path):
     assert [g['step_infos'][-1]['status'] for g in result['games']] == ['goal'] * logs.GAMES_SHOWN
     logs.draw_games(str(tmp_path), [(0, result['games'])], frozen_lake.FrozenLakeEnv)  # agent.png's strip
     assert (tmp_path / 'agent.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
-    echo = Colocated(None, GYMScheduler(ScriptedEngine(tokenizer, lambda text: 'four'), tokenizer, gym_env='echo'))
+    echo = Colocated(None, GYMScheduler(ScriptedEngine(tokenizer, lambda text: 'four'), tokenizer=tokenizer, gym_env='echo'))
     result = evaluate(echo, [{'messages': [], 'env_config': {}}] * 3, EchoEnv, 0.0)
     assert 'success' not in result and result['reward'] == 4.0  # an env without a success test: mean reward
 
@@ -525,6 +600,22 @@ def test_help_works(program):
     assert run.returncode == 0 and run.stdout.startswith('usage:'), run.stderr
 
 
+def test_help_shows_the_true_defaults():
+    import dataclasses
+    import re
+    run = subprocess.run([sys.executable, 'train.py', '--help'], cwd=HERE, capture_output=True, text=True, timeout=120)
+    blocks = re.split(r'\n  (?=-)', run.stdout.split('options:')[1])  # one block per option, as argparse prints them
+    options = {block.split()[0].rstrip(','): ' '.join(block.split()) for block in blocks if block.strip()}
+    for f in dataclasses.fields(config.Args):
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        said = re.findall(r'\(default: ([^)]*)\)', options['--' + f.name])
+        assert said == ([] if default is None else [config.shown(default)]), (f.name, said)
+        assert default is not None or 'not given' in options['--' + f.name], f.name  # says what None means
+    funcs = frozen_lake.FrozenLakeEnv.default_reward_funcs  # the prose about FrozenLake's own rewards
+    assert all(f"{name} {weight}" in options['--reward_weights'] for name, weight in funcs.items())
+    assert all(name in options['--reward_funcs'] for name in funcs)
+
+
 def test_each_task_brings_its_own_rewards_and_held_out_rows(tmp_path):
     rows, eval_rows, env_cls, names, weights = config.check_args(config.parse_args([]))
     assert (names, weights, env_cls, len(rows)) == (['progress'], [0.5, 1.0], frozen_lake.FrozenLakeEnv, 128)
@@ -554,7 +645,72 @@ def test_each_task_brings_its_own_rewards_and_held_out_rows(tmp_path):
     assert (tmp_path / 'agent.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
 
+def conformance_cases():
+    """The envs test_env_conformance checks: GYM_ENV_PLUGIN=my_env.py GYM_ENV=my_env picks one."""
+    if os.environ.get('GYM_ENV_PLUGIN'):
+        return [(os.environ['GYM_ENV_PLUGIN'], os.environ.get('GYM_ENV'))]
+    return [(None, 'frozen_lake'), ('the README', 'guess')]
+
+
+@pytest.mark.parametrize('plugin, name', conformance_cases())
+def test_env_conformance(plugin, name, tokenizer, tmp_path):
+    """What the scheduler and the trainer rely on, for any env: its expert (or, without one, a
+    scripted policy) plays whole games; the same env_config gives the same first observation; close
+    runs exactly once per trajectory; a crash in step ends only its own trajectory."""
+    if plugin == 'the README':
+        (tmp_path / 'guess.py').write_text(GUESS_PLUGIN)
+        plugin = str(tmp_path / 'guess.py')
+    load_plugins([plugin] if plugin else [])
+    assert name in envs, f'set GYM_ENV to the name the plugin registers: {", ".join(sorted(envs))}'
+    rows = envs[name].eval_rows(8, {}) or [{'env_config': {'seed': s}} for s in range(8)]
+    first = [asyncio.run(envs[name](dict(r['env_config'])).reset(RolloutInferRequest([]))) for r in rows + rows]
+    assert [(o, s) for o, _, s in first[:8]] == [(o, s) for o, _, s in first[8:]], 'the same env_config, another game'
+    for (observation, info, system), row in zip(first, rows):
+        assert isinstance(observation, str) and isinstance(system, str) and isinstance(info, dict)
+        json.dumps(info)  # it goes to completions.jsonl
+
+    async def expert_game(env):
+        observation, _, system = await env.reset(RolloutInferRequest([]))
+        messages = [{'role': 'system', 'content': system}, {'role': 'user', 'content': observation}]
+        for _ in range(10):
+            messages.append({'role': 'assistant', 'content': env.expert_reply()})
+            observation, reward, done, info = await env.step(copy.deepcopy(messages))
+            messages.append({'role': 'user', 'content': observation})
+            if done:
+                return True
+    if envs[name]({}).expert_reply.__func__ is not Env.expert_reply:
+        assert all(asyncio.run(expert_game(envs[name](dict(r['env_config'])))) for r in rows), 'the expert did not finish'
+    calls = {'made': 0, 'closed': []}
+
+    class Checked(envs[name]):
+        def __init__(self, env_config):
+            super().__init__(env_config)
+            self.crashes, calls['made'] = calls['made'] == 0, calls['made'] + 1  # the first env made crashes
+
+        async def step(self, action):
+            if self.crashes:
+                raise RuntimeError('a crash in step')
+            return await super().step(action)
+
+        async def close(self):
+            calls['closed'].append(id(self))
+            await super().close()
+    envs['checked'] = Checked
+    replies = iter(['<action>up</action>', '3', 'yes', 'I go left.', '7'] * 200)
+    scheduler = GYMScheduler(ScriptedEngine(tokenizer, lambda text: next(replies)), 6, tokenizer=tokenizer,
+                             max_completion_length=32, gym_env='checked')
+    trajectories = rollout(scheduler, requests_for(rows, 2))
+    assert [t.stop_reason == 'error' for t in trajectories] == [True] + [False] * 15
+    assert all(t.stop_reason in ('done', 'max_turns') for t in trajectories[1:]), [t.stop_reason for t in trajectories]
+    assert len(calls['closed']) == len(set(calls['closed'])) == calls['made'] == 16
+
+
 # ---------------------------------------------------------------- GRPO math
+
+def spread(rewards, group_size, valid=None):
+    valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid
+    return grpo.with_spread(rewards, group_size, valid).nonzero().flatten().tolist()
+
 
 def test_group_advantages_by_hand():
     adv = grpo.group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0]), group_size=3, eps=0.0)
@@ -564,8 +720,8 @@ def test_group_advantages_by_hand():
     assert torch.allclose(adv[3:], torch.tensor([-(2 / 3) / s, (1 / 3) / s, (1 / 3) / s]))
     assert torch.equal(grpo.group_advantages(torch.tensor([0.5, 0.5]), 2), torch.zeros(2))  # no spread
     # only groups with spread are trained on; a zero-advantage member of such a group stays
-    assert grpo.with_spread(torch.tensor([0.0, 0.5, 1.0, 1.0, 1.0, 1.0, 0.2, 0.2, 0.3]), 3) == [0, 1, 2, 6, 7, 8]
-    assert grpo.with_spread(torch.tensor([1.0, 1.0]), 2) == []
+    assert spread(torch.tensor([0.0, 0.5, 1.0, 1.0, 1.0, 1.0, 0.2, 0.2, 0.3]), 3) == [0, 1, 2, 6, 7, 8]
+    assert spread(torch.tensor([1.0, 1.0]), 2) == []
 
 
 def test_grpo_loss_by_hand():
@@ -610,22 +766,23 @@ def test_group_advantages_leave_errored_trajectories_out():
     assert torch.allclose(adv[:3], torch.tensor([0.5 / s, -0.5 / s, 0.0]))
     assert torch.equal(adv[3:6], torch.zeros(3))  # one valid member: nothing to compare with
     assert torch.allclose(adv[6:], grpo.group_advantages(rewards[6:], 3, eps=0.0))
-    assert grpo.with_spread(rewards, 3, valid) == [0, 1, 6, 7, 8]
+    assert spread(rewards, 3, valid) == [0, 1, 6, 7, 8]
 
 
 def test_errored_trajectories_are_never_trained_on():
     def trajectory(reply, reward, stop):
         messages = [{'role': 'user', 'content': 'x'}, {'role': 'assistant', 'content': reply}]
-        return Trajectory(RolloutInferRequest(messages), token_ids=[1, 2], loss_mask=[0, 1], stop_reason=stop,
+        return Trajectory(RolloutInferRequest(messages), [Segment([1, 2], [0, 1], [0.0, 0.0], [0, 1])], stop_reason=stop,
                           rollout_infos={'total_reward': reward})
     # the errored member still says '<action>up</action>' and would earn the format reward
     group = [trajectory('<action>up</action>', 1.0, 'done'), trajectory('hmm', 0.0, 'done'),
              trajectory('<action>up</action>', 0.0, 'error')]
-    columns, rewards, adv, keep = grpo.rewards_and_advantages(group, ['format'], [0.5, 1.0], True, 3, beta=0.0)
-    assert keep == [0, 1] and adv[2] == 0 and adv[0] > 0 > adv[1]
+    scores = grpo.score(group, ['format'], [0.5, 1.0], use_gym_env=True, group_size=3, beta=0.0)
+    adv = scores.advantages
+    assert scores.train == [0, 1] and adv[2] == 0 and adv[0] > 0 > adv[1]
     flat = [trajectory('hmm', 0.0, 'done'), trajectory('hmm', 0.0, 'done'), trajectory('up', 0.0, 'error')]
-    assert grpo.rewards_and_advantages(flat, [], [1.0], True, 3, beta=0.0)[3] == []
-    assert grpo.rewards_and_advantages(flat, [], [1.0], True, 3, beta=0.1)[3] == [0, 1]  # the KL term needs them
+    assert grpo.score(flat, [], [1.0], use_gym_env=True, group_size=3, beta=0.0).train == []
+    assert grpo.score(flat, [], [1.0], use_gym_env=True, group_size=3, beta=0.1).train == [0, 1]  # the KL term needs them
 
 
 # ---------------------------------------------------------------- the GRPO variants, each by hand
@@ -699,20 +856,20 @@ def test_rollout_importance_weights_by_hand():
 
 def test_overlong_trajectories_are_left_out_of_the_loss_not_the_baseline():
     def trajectory(reward, stop):
-        return Trajectory(RolloutInferRequest([]), token_ids=[1, 2], loss_mask=[0, 1], stop_reason=stop,
+        return Trajectory(RolloutInferRequest([]), [Segment([1, 2], [0, 1], [0.0, 0.0], [0, 1])], stop_reason=stop,
                           rollout_infos={'total_reward': reward})
     group = [trajectory(1.0, 'done'), trajectory(0.0, 'length'), trajectory(0.0, 'max_turns')]
-    _, _, kept_adv, keep = grpo.rewards_and_advantages(group, [], [1.0], True, 3, 0.0, overlong_filter=True)
-    _, _, adv, all_kept = grpo.rewards_and_advantages(group, [], [1.0], True, 3, 0.0)
-    assert (keep, all_kept) == ([0, 2], [0, 1, 2]) and torch.equal(kept_adv, adv)
+    filtered = grpo.score(group, [], [1.0], use_gym_env=True, group_size=3, beta=0.0, overlong_filter=True)
+    plain = grpo.score(group, [], [1.0], use_gym_env=True, group_size=3, beta=0.0)
+    assert (filtered.train, plain.train) == ([0, 2], [0, 1, 2]) and torch.equal(filtered.advantages, plain.advantages)
 
 
 class RowRollouts:
     """A rollout source whose rewards depend on the row: seeds 6 and 7 have spread, the others none."""
 
     def rollout(self, rows, group_size, temperature):
-        return [Trajectory(RolloutInferRequest([], {'env_config': row['env_config']}), token_ids=[1, 2],
-                           loss_mask=[0, 1], stop_reason='done',
+        return [Trajectory(RolloutInferRequest([], {'env_config': row['env_config']}),
+                           [Segment([1, 2], [0, 1], [0.0, 0.0], [0, 1])], stop_reason='done',
                            rollout_infos={'total_reward': float(row['env_config']['seed'] >= 6 and k % 2)})
                 for row in rows for k in range(group_size)]
 
@@ -727,6 +884,42 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups():
     assert rounds == 0 and len(plain) == 4  # off by default: the step's rows, whatever their spread
     args = config.Args(rows_per_step=2, num_generations=2, dynamic_sample=True, max_resample_times=0)
     assert train.play(RowRollouts(), rows, 1, args, [], [1.0])[1] == 0
+
+
+def gigpo_walks():
+    def walk(states, step_rewards):  # a FrozenLake walk: the cell before each reply, the env's rewards
+        turns = [k for k in range(1, len(states) + 1) for _ in range(2)]  # two sampled tokens a turn
+        segment = Segment([7] * (1 + len(turns)), [0] + [1] * len(turns), [0.0] * (1 + len(turns)), [0] + turns)
+        return Trajectory(RolloutInferRequest([]), [segment], stop_reason='done', num_turns=len(states),
+                          rollout_infos={'states': states, 'step_rewards': step_rewards,
+                                         'total_reward': sum(step_rewards)})
+    group = [walk([[0, 0], [0, 1]], [0.0, 1.0]),  # right, then down into G
+             walk([[0, 0], [0, 1]], [0.0, 0.0]),  # right, then left into a hole: the same cell, another move
+             walk([[0, 0]], [0.0])]  # down into a hole at once
+    return group
+
+
+def test_gigpo_step_advantages_by_hand():
+    group = gigpo_walks()
+    step = grpo.step_advantages(group, 3, gamma=0.9, scale='none')
+    # returns: 0.9 and 1 (the winner), 0 and 0, 0. Cell (0, 0): 0.9, 0, 0 (mean 0.3); cell (0, 1): 1, 0 (mean 0.5)
+    assert torch.allclose(step, torch.tensor([[0.6, 0.5], [-0.3, -0.5], [-0.3, 0.0]]))
+    s = 0.27 ** 0.5  # the sample std of 0.9, 0, 0
+    assert torch.allclose(grpo.step_advantages(group, 3, 0.9, 'group', eps=0.0)[:, 0], torch.tensor([0.6, -0.3, -0.3]) / s)
+    batches = grpo.micro_batches(group, step, size=3, pad_id=0, loss_type='bnpo', num_tokens=10, max_sampled=1)
+    by_length = sorted(group, key=lambda t: len(t.segments[0].token_ids))  # the order micro_batches takes
+    for row, t in zip(batches[0].advantages, by_length):  # each sampled token takes its turn's advantage
+        i, turns = group.index(t), torch.tensor(t.segments[0].turns)
+        assert torch.allclose(row[:len(turns)][turns > 0], step[i][turns[turns > 0] - 1])
+
+
+def test_gigpo_adds_the_step_level_to_the_group_advantages():
+    group = gigpo_walks()
+    step = grpo.step_advantages(group, 3, gamma=0.9, scale='none')
+    scores = grpo.score(group, [], [1.0], use_gym_env=True, group_size=3, beta=0.0, estimator='gigpo', scale='none',
+                        step_advantage_w=0.5, gamma=0.9)
+    episode = torch.tensor([2 / 3, -1 / 3, -1 / 3])  # rewards 1, 0, 0
+    assert torch.allclose(scores.advantages, episode) and torch.allclose(scores.turn_advantages, episode[:, None] + 0.5 * step)
 
 
 # ---------------------------------------------------------------- the rollout server's routes, on a scripted engine
@@ -753,7 +946,7 @@ def scripted_server(tokenizer):
     import uvicorn
     import server
     engine = ScriptedEngine(tokenizer, bfs_policy, delay=2.0)
-    scheduler = GYMScheduler(engine, tokenizer, max_turns=3, gym_env='frozen_lake')
+    scheduler = GYMScheduler(engine, tokenizer=tokenizer, max_turns=3, gym_env='frozen_lake')
     identity = {'fingerprint': 'f', 'boot': 'b', 'max_turns': 3, 'gym_env': 'frozen_lake'}
     app = server.build_app(scheduler, engine, identity, max_trajectories=8, max_weight_bytes=10_000)
     port = free_port()
@@ -808,10 +1001,70 @@ def test_server_answers_health_while_a_rollout_runs(scripted_server):
     busy.join()
 
 
+def test_a_plugin_scheduler_serves_through_server_py(tokenizer, tmp_path):
+    import server
+    (tmp_path / 'tool.py').write_text(TOOL_PLUGIN)
+    args = server.parse_args(['--external_plugins', str(tmp_path / 'tool.py'), '--multi_turn_scheduler', 'tool_scheduler'])
+    engine = ScriptedEngine(tokenizer, lambda t: 'calc')
+    scheduler = multi_turns[args.multi_turn_scheduler](engine, 2, tokenizer=tokenizer)
+    app = server.build_app(scheduler, engine, {'fingerprint': 'f', 'boot': 'b', 'max_turns': 2, 'gym_env': 'frozen_lake'},
+                           max_trajectories=8, max_weight_bytes=10)
+    from fastapi.testclient import TestClient
+    body = {'rows': [{'messages': [{'role': 'user', 'content': 'Add 2 and 3.'}]}], 'num_generations': 2,
+            'temperature': 1.0, 'max_completion_length': 16}
+    answer = TestClient(app).post('/rollout', json=body).json()
+    for t in answer['trajectories']:
+        (segment,) = t['segments']
+        assert t['rollout_infos']['tool_calls'] == 1 and t['request']['messages'][-1]['content'].count('[tool:') == 1
+        assert segment['turns'].count(1) == segment['turns'].count(2) > 0  # two replies, the tool's ids between them
+    with pytest.raises(UserError, match='--multi_turn_scheduler chess: not registered'):
+        server.parse_args(['--multi_turn_scheduler', 'chess'])
+
+
+def test_the_student_copy_leaves_each_exercise_to_the_student(tmp_path):
+    """student_copy.py blanks every solution region. In the copy each exercise's graders (the -k
+    of its command in EXERCISES.md) fail with an exercise's NotImplementedError, and every other
+    fast test passes; here, in the repository, all of them pass."""
+    import re
+    import xml.etree.ElementTree as ElementTree
+    copy = tmp_path / 'copy'
+    run = subprocess.run([sys.executable, 'student_copy.py', str(copy)], cwd=HERE, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and 'solution regions left to the student' in run.stdout, run.stderr
+    sources = ''.join(open(os.path.join(HERE, f)).read() for f in os.listdir(HERE) if f.endswith('.py'))
+    regions = set(re.findall(r'# BEGIN SOLUTION exercise (\d+):', sources)) - {'N'}
+    exercises = dict(re.findall(r'^## Exercise (\d+): (.*?)(?=^## |\Z)', open(os.path.join(HERE, 'EXERCISES.md')).read(),
+                                re.S | re.M))
+    assert regions <= exercises.keys() and not re.search(r'# BEGIN SOLUTION exercise \d', open(copy / 'grpo.py').read())
+    graders = {}  # exercise -> the tests its grading command selects
+    for number in regions:
+        (expression,) = re.findall(r'-k "([^"]+)"', exercises[number])
+        listed = subprocess.run([sys.executable, '-m', 'pytest', '-q', '--collect-only', '-p', 'no:cacheprovider',
+                                 'test_all.py', '-k', expression], cwd=HERE, capture_output=True, text=True, timeout=300)
+        graders[number] = {line.split('::')[1].split('[')[0] for line in listed.stdout.splitlines() if '::' in line}
+        assert graders[number], number
+    results = {}
+    for selection in (['-m', 'not slow', '-k', 'not student_copy'], ['-k', 'token_logprobs_match']):
+        subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', 'test_all.py', *selection,
+                        f'--junitxml={tmp_path}/report.xml'], cwd=copy, capture_output=True, timeout=900)
+        for case in ElementTree.parse(tmp_path / 'report.xml').iter('testcase'):
+            failure = case.find('failure') if case.find('failure') is not None else case.find('error')
+            results.setdefault(case.get('name').split('[')[0], []).append(None if failure is None else failure.get('message'))
+    for name, outcomes in results.items():
+        owners = [n for n, tests in graders.items() if name in tests]
+        for message in outcomes:
+            if owners:  # an exercise's grader: it fails with an exercise's message, one whose grader it is
+                assert message and any(f'exercise {n}:' in message for n in owners), (name, message)
+            else:
+                assert message is None, (name, message)
+    assert all(any(name in results for name in tests) for tests in graders.values())
+
+
 # ---------------------------------------------------------------- slow: a real (tiny) model, train.py end to end
 
 LENGTH_PLUGIN = '''
 from env import Env, envs
+from scheduler import HintScheduler, WindowScheduler, multi_turns
 
 
 class LengthEnv(Env):
@@ -829,6 +1082,16 @@ class LengthEnv(Env):
 
 
 envs['length'] = LengthEnv
+
+
+class EveryTurn:
+    """A random tiny model's replies are all cut by length, which would end every game at once."""
+    def check_finished(self, infer_request, response_choice, current_turn):
+        return current_turn >= self.max_turns
+
+
+multi_turns['window_every_turn'] = type('WindowEveryTurn', (EveryTurn, WindowScheduler), {})
+multi_turns['hint_every_turn'] = type('HintEveryTurn', (EveryTurn, HintScheduler), {})
 '''
 
 
@@ -854,10 +1117,72 @@ def test_token_logprobs_match_a_full_forward(tiny_model_dir):
     ids = torch.randint(0, 1000, (2, 12))
     mask = torch.zeros(2, 12, dtype=torch.long)
     mask[0, 5:9] = mask[1, 3:12] = 1
-    got = grpo.token_logprobs(model, ids, torch.ones_like(ids), mask, temperature=0.7, chunk=3)
+    segments = [Segment(ids[i].tolist(), mask[i].tolist(), [0.0] * 12, mask[i].tolist()) for i in (0, 1)]
+    (batch,) = grpo.micro_batches([Trajectory(RolloutInferRequest([]), segments)], torch.zeros(1), size=2, pad_id=0,
+                                  loss_type='bnpo', num_tokens=1, max_sampled=1)
+    got = grpo.token_logprobs(model, batch, temperature=0.7, chunk=3)
     full = (model(ids).logits[:, :-1] / 0.7).log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
     assert torch.allclose(got[:, 1:][mask[:, 1:].bool()], full[mask[:, 1:].bool()], atol=1e-5)
     assert (got[mask == 0] == 0).all()
+
+
+def shared_prompt_groups():
+    """Groups of trajectories as an update sees them: a system message all share, prompts of
+    different lengths, replies of different lengths (padding), members that share only the
+    system message, members that agree on their first reply, a group of one distinct member."""
+    rng = random.Random(0)
+
+    def words(n):
+        return [rng.randrange(1000) for _ in range(n)]
+
+    def trajectory(*parts):  # (ids, sampled?) pieces -> a one-segment trajectory
+        ids = sum((p for p, _ in parts), [])
+        mask = sum(([int(m)] * len(p) for p, m in parts), [])
+        return Trajectory(RolloutInferRequest([]), [Segment(ids, mask, [0.0] * len(ids), mask)])
+    system = words(10)
+    groups = []
+    for prompt, replies in ((14, (3, 9, 5)), (30, (7, 2, 11)), (0, (6, 6, 4))):
+        first = system + words(prompt)
+        groups.append([trajectory((first, 0), (words(r), 1), (words(4), 0), (words(r + 1), 1)) for r in replies])
+    same_start = system + words(8)
+    reply = words(5)
+    groups.append([trajectory((same_start, 0), (reply, 1), (words(3), 0), (words(4), 1)) for _ in range(3)])
+    groups.append([trajectory((system + words(6), 0), (words(5), 1), (words(3), 0), (words(4), 1))] * 3)  # one distinct
+    return sum(groups, [])
+
+
+def logprobs_and_gradients(model, trajectories, share_prompt, size):
+    """Token logprobs per segment (keyed by its ids) and the gradients of a GRPO loss with KL."""
+    model.zero_grad()
+    advantages = torch.linspace(-1, 1, len(trajectories))
+    batches = grpo.micro_batches(trajectories, advantages, size=size, pad_id=0, loss_type='grpo', num_tokens=1,
+                                 max_sampled=1, share_prompt=share_prompt)
+    found = {}
+    for b in batches:
+        logprobs = grpo.token_logprobs(model, b, temperature=0.7)
+        loss, _ = grpo.grpo_loss(logprobs, logprobs.detach() + 0.05, b.advantages, b.loss_mask, beta=0.1,
+                                 ref_logprobs=logprobs.detach() - 0.1, token_weights=b.token_weights,
+                                 denominator=b.denominator)
+        loss.backward()
+        for row, mask, lp in zip(b.targets.tolist(), b.loss_mask, logprobs.detach()):
+            found[tuple(row[:len(mask) - list(reversed(mask.tolist())).index(1)])] = lp[mask.bool()]
+    return found, {name: p.grad.clone() for name, p in model.named_parameters()}, batches
+
+
+@slow
+def test_shared_prompt_update_equals_the_plain_one(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)  # fp32, sdpa attention
+    trajectories = shared_prompt_groups()
+    plain, plain_grads, plain_batches = logprobs_and_gradients(model, trajectories, False, 4)
+    for size in (3, 4, 15):  # micro-batches within a group, across groups, the whole batch in one
+        shared, grads, batches = logprobs_and_gradients(model, trajectories, True, size)
+        assert shared.keys() == plain.keys()
+        assert all(torch.allclose(shared[k], plain[k], atol=1e-5) for k in plain), size
+        assert all(torch.allclose(grads[k], plain_grads[k], atol=1e-5) for k in grads), size
+        if size == 15:  # one packed row: every distinct prefix once (the system message, each group's prompt, ...)
+            prefixes = {tuple(s.token_ids[:p + 1]) for t in trajectories for s in t.segments for p in range(len(s.token_ids))}
+            assert batches[0].input_ids.numel() == len(prefixes) < sum(b.attention_mask.sum() for b in plain_batches) / 2
 
 
 @slow
@@ -918,20 +1243,25 @@ def in_fresh_process(fn, *args):
         return pool.submit(fn, *args).result(timeout=600)
 
 
+def one_batch(trajectory):
+    (batch,) = grpo.micro_batches([trajectory], torch.zeros(1), size=8, pad_id=0, loss_type='bnpo', num_tokens=1,
+                                  max_sampled=1)
+    return batch
+
+
 def max_gap(model, trajectories, temperature):
     """The largest |engine logprob - trainer logprob| over the sampled tokens."""
     gaps = []
     for t in trajectories:
-        ids, mask = torch.tensor([t.token_ids]), torch.tensor([t.loss_mask])
-        logprobs = grpo.token_logprobs(model, ids, torch.ones_like(ids), mask, temperature)
-        gaps.append(((logprobs - torch.tensor([t.logprobs])).abs()[mask.bool()]).max().item())
+        batch = one_batch(t)
+        logprobs = grpo.token_logprobs(model, batch, temperature)
+        gaps.append(((logprobs - batch.engine_logprobs).abs()[batch.loss_mask.bool()]).max().item())
     return max(gaps)
 
 
 def nudge(model, trajectory):
     """One large SGD step that raises the logprob of a trajectory's sampled tokens."""
-    ids, mask = torch.tensor([trajectory.token_ids]), torch.tensor([trajectory.loss_mask])
-    (-grpo.token_logprobs(model, ids, torch.ones_like(ids), mask, 0.8).sum()).backward()
+    (-grpo.token_logprobs(model, one_batch(trajectory), 0.8).sum()).backward()
     torch.optim.SGD(model.parameters(), lr=5.0).step()
 
 
@@ -941,7 +1271,7 @@ def vllm_sync_gaps(model_dir):
     from engines import VLLMEngine
     model, tokenizer = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
     engine = VLLMEngine(model_dir, kv_cache_gib=0.25)
-    scheduler = GYMScheduler(engine, tokenizer, max_turns=2, max_completion_length=8, temperature=0.8,
+    scheduler = GYMScheduler(engine, tokenizer=tokenizer, max_turns=2, max_completion_length=8, temperature=0.8,
                              gym_env='frozen_lake')
     trajectories = rollout(scheduler, requests(range(4)))
     before = max_gap(model, trajectories, 0.8)
@@ -963,7 +1293,7 @@ def test_vllm_logprobs_match_trainer_before_and_after_a_sync(tiny_model_dir):
 @slow
 @vllm_available
 def test_train_end_to_end_colocated_vllm_with_every_variant(tmp_path, tiny_model_dir):
-    variants = ['--loss_type', 'dr_grpo', '--advantage_estimator', 'rloo', '--scale_rewards', 'batch',
+    variants = ['--loss_type', 'dr_grpo', '--advantage_estimator', 'rloo', '--scale_rewards', 'batch', '--share_prompt', 'false',
                 '--dynamic_sample', 'true', '--max_resample_times', '1', '--importance_sampling_level', 'sequence', '--rollout_importance_sampling_mode', 'token_truncate']
     out = run_train(tmp_path, tiny_model_dir, '--engine', 'vllm', '--eval_size', '0', *variants)
     assert 'engine: vllm' in out and 'eval ' not in out  # --eval_size 0: no evaluation
@@ -972,6 +1302,25 @@ def test_train_end_to_end_colocated_vllm_with_every_variant(tmp_path, tiny_model
     assert all(m['resample_rounds'] in (0, 1) for m in steps)
     for noise in ('FutureWarning', 'Triton', 'NUMA', 'Loading weights', 'Loading safetensors'):
         assert noise not in out, noise
+
+
+@slow
+@pytest.mark.parametrize('scheduler', ['tool_scheduler', 'window_scheduler', 'hint_scheduler'])
+def test_schedulers_train_end_to_end(tmp_path, tiny_model_dir, scheduler):
+    (tmp_path / 'tool.py').write_text(TOOL_PLUGIN)
+    flags = {'tool_scheduler': ['--use_gym_env', 'false', '--reward_funcs', 'reply_length', '--max_turns', '3'],
+             'window_scheduler': ['--max_turns', '4'],  # window 2: the rewrite after turn 3 starts a segment
+             'hint_scheduler': ['--env', 'frozen_lake', '--advantage_estimator', 'gigpo', '--beta', '0.01']}[scheduler]
+    played = {'window_scheduler': 'window_every_turn', 'hint_scheduler': 'hint_every_turn'}.get(scheduler, scheduler)
+    run_train(tmp_path, tiny_model_dir, '--multi_turn_scheduler', played, '--eval_size', '0', *flags,
+              '--external_plugins', str(tmp_path / 'length_plugin.py'), str(tmp_path / 'tool.py'))
+    steps = step_records(tmp_path / 'out')
+    assert len(steps) == 2 and all(m['logprob_gap'] < 1e-3 for m in steps)
+    games = [json.loads(line) for line in open(tmp_path / 'out' / 'completions.jsonl')]
+    if scheduler == 'window_scheduler':  # every game ran its 4 turns: turns 1-3, then turn 4 in its window
+        assert all(len(g['segments']) == 2 and g['segments'][-1] == g['messages'] for g in games)
+    if scheduler == 'hint_scheduler':
+        assert any(HintScheduler.hint in m['content'] for g in games for m in g['messages'])
 
 
 @slow
@@ -1039,9 +1388,9 @@ def server_against_colocate(port, model_dir):
                            pass_dataset=True, timeout=120)
     client.load_weights(model)
     engine = VLLMEngine(model_dir, kv_cache_gib=0.25)
-    colocated = Colocated(engine, GYMScheduler(engine, tokenizer, max_turns=2, max_completion_length=8))
+    colocated = Colocated(engine, GYMScheduler(engine, tokenizer=tokenizer, max_turns=2, max_completion_length=8))
     rows = [{'messages': [], 'env_config': {'name': 'frozen_lake', 'seed': s}} for s in range(6)]
-    same = [t.token_ids for t in client.rollout(rows, 1, 0.0)] == [t.token_ids for t in colocated.rollout(rows, 1, 0.0)]
+    same = [t.segments for t in client.rollout(rows, 1, 0.0)] == [t.segments for t in colocated.rollout(rows, 1, 0.0)]
     nudge(model, client.rollout(rows, 1, 0.8)[0])
     stale = max_gap(model, client.rollout(rows, 1, 0.8), 0.8)
     client.load_weights(model)
@@ -1099,7 +1448,7 @@ def lora_sync_gaps(model_dir):
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir),
                            LoraConfig(r=4, lora_alpha=8, target_modules='all-linear', task_type='CAUSAL_LM'))
     engine = VLLMEngine(model_dir, kv_cache_gib=0.25)
-    colocated = Colocated(engine, GYMScheduler(engine, tokenizer, max_turns=2, max_completion_length=8,
+    colocated = Colocated(engine, GYMScheduler(engine, tokenizer=tokenizer, max_turns=2, max_completion_length=8,
                                                temperature=0.8, gym_env='frozen_lake'))
     rows = [{'messages': [], 'env_config': {'seed': s}} for s in range(4)]
     nudge(model, colocated.rollout(rows, 1, 0.8)[0])  # the adapters are no longer zero
@@ -1156,9 +1505,8 @@ def one_fixed_step(model_dir, out):
     trajectories = []
     for n in range(8):  # prompts of 6..13 tokens, replies of 2..9
         ids = torch.randint(0, 1000, (15 + n,), generator=generator).tolist()
-        trajectories.append(Trajectory(RolloutInferRequest([]), token_ids=ids, loss_mask=[0] * (6 + n) + [1] * 9,
-                                       logprobs=[0.0] * len(ids)))
-        trajectories[-1].loss_mask[-1 - n // 2:] = [0] * (1 + n // 2)
+        mask = [0] * (6 + n) + [1] * (8 - n // 2) + [0] * (1 + n // 2)
+        trajectories.append(Trajectory(RolloutInferRequest([]), [Segment(ids, mask, [0.0] * len(ids), mask)]))
     mine = list(range(rank, 8, world))
     args = config.Args(loss_type='dapo', micro_batch_size=2, gradient_checkpointing=False, max_grad_norm=1e9)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # (Adam's first step is near sign(g): too touchy to compare)

@@ -32,7 +32,7 @@ from config import Args, check_args, parse_args
 from engines import Colocated, RolloutClient, embedded_model, make_engine, quiet
 from env import UserError
 from logs import RunLog
-from scheduler import GYMScheduler
+from scheduler import multi_turns
 
 
 # ---------------------------------------------------------------- models, rollouts, checkpoints
@@ -99,9 +99,10 @@ def make_rollouts(args: Args, model, tokenizer, rank: int = 0):
     engine = make_engine(args.engine, model.name_or_path, model, tokenizer, seed=args.seed + rank,
                          max_model_len=args.vllm_max_model_len, kv_cache_gib=args.vllm_kv_cache_gib,
                          gpu_memory_utilization=args.vllm_gpu_memory_utilization)
-    rollouts = Colocated(engine, GYMScheduler(engine, tokenizer, max_turns=args.max_turns, gym_env=args.gym_env,
-                                              max_completion_length=args.max_completion_length,
-                                              max_model_len=args.vllm_max_model_len))
+    scheduler = multi_turns[args.multi_turn_scheduler](engine, args.max_turns, tokenizer=tokenizer, gym_env=args.gym_env,
+                                                       max_completion_length=args.max_completion_length,
+                                                       max_model_len=args.vllm_max_model_len)
+    rollouts = Colocated(engine, scheduler)
     if hasattr(model, 'peft_config'):  # the engine loaded the base model; the adapters may not be zero
         rollouts.load_weights(model)
     return rollouts
@@ -129,60 +130,51 @@ def save_checkpoint(model, tokenizer, optimizer, step: int, output_dir: str):
 
 # ---------------------------------------------------------------- the update
 
-def batch_tensors(trajectories, pad_id: int):
-    """Right-padded (b, T) tensors: token ids, attention mask, loss mask, engine logprobs."""
-    width = max(len(t.token_ids) for t in trajectories)
-
-    def pad(seq, value):
-        return seq + [value] * (width - len(seq))
-    return (torch.tensor([pad(t.token_ids, pad_id) for t in trajectories]),  # (b, T)
-            torch.tensor([pad([1] * len(t.token_ids), 0) for t in trajectories]),  # (b, T)
-            torch.tensor([pad(t.loss_mask, 0) for t in trajectories]),  # (b, T)
-            torch.tensor([pad(t.logprobs, 0.0) for t in trajectories]))  # (b, T)
-
-
 def train_step(model, ref_model, optimizer, trajectories, advantages, args: Args, pad_id: int) -> dict:
-    """GRPO update(s) on one batch; returns loss, kl, clip ratio, grad norm, the share of sampled
-    tokens whose rollout importance weight was truncated or masked, and the engine/trainer logprob
-    gap (measured in the first pass, before the weights move)."""
+    """GRPO update(s) on the trajectories that train (grpo.trainable), advantages (n, T) per turn: the loss of
+    grpo.py on every micro-batch, summed gradients, one optimizer step per --num_iterations pass.
+    Returns loss, kl, clip ratio, grad norm, the share of sampled tokens whose rollout importance
+    weight was truncated or masked, and the engine/trainer logprob gap (measured in the first
+    pass, before the weights move); logprob_gap is None when no update was made."""
     stats = {'loss': 0.0, 'kl': 0.0, 'clip_ratio': 0.0, 'is_clipped': 0.0, 'logprob_gap': None, 'grad_norm': 0.0,
              'skipped': 0}
     world = dist.get_world_size() if dist.is_initialized() else 1
-    num_tokens = sum(sum(t.loss_mask) for t in trajectories)
+    num_tokens = sum(sum(s.loss_mask) for t in trajectories for s in t.segments)
     counts = torch.tensor([len(trajectories), num_tokens])
     if world > 1:  # every process takes part in an update, or none does
         dist.all_reduce(counts)
     if not counts[0]:  # no update at all (a zero gradient would still move Adam along its momentum)
         return stats
-    order = sorted(range(len(trajectories)), key=lambda i: len(trajectories[i].token_ids))  # less padding
-    batches = [order[i:i + args.micro_batch_size] for i in range(0, len(order), args.micro_batch_size)]
-    tensors = [batch_tensors([trajectories[i] for i in idx], pad_id) for idx in batches]
-    norms = [grpo.normaliser(b[2], args.loss_type, len(trajectories), counts[1].item() if args.loss_type == 'dapo'
-                             else num_tokens, args.max_turns * args.max_completion_length) for b in tensors]
+    batches = grpo.micro_batches(trajectories, advantages, size=args.micro_batch_size, pad_id=pad_id,
+                                 loss_type=args.loss_type, max_sampled=args.max_turns * args.max_completion_length,
+                                 num_tokens=counts[1].item() if args.loss_type == 'dapo' else num_tokens,
+                                 share_prompt=args.share_prompt and can_share_prompt(model))
     model.train()  # gradient checkpointing is active in train mode only (Llama has no dropout)
-    with torch.no_grad():
-        old = [grpo.token_logprobs(model, *b[:3], args.temperature) for b in tensors] if args.num_iterations > 1 else None
+    with torch.no_grad():  # logp_old (the policy before this step's passes) and the KL anchor
+        old = [grpo.token_logprobs(model, b, args.temperature) for b in batches] if args.num_iterations > 1 else None
         with model.disable_adapter() if args.beta and ref_model is None else contextlib.nullcontext():  # LoRA
-            ref = [grpo.token_logprobs(ref_model or model, *b[:3], args.temperature) for b in tensors] if args.beta else None
+            ref = [grpo.token_logprobs(ref_model or model, b, args.temperature) for b in batches] if args.beta else None
     is_weights = [None] * len(batches)
     for iteration in range(args.num_iterations):
         optimizer.zero_grad(set_to_none=True)
         loss_sum, gap = 0.0, 0.0
-        for k, (idx, (ids, attention, mask, engine_lp)) in enumerate(zip(batches, tensors)):
-            logprobs = grpo.token_logprobs(model, ids, attention, mask, args.temperature)  # (b, T)
+        for k, b in enumerate(batches):
+            logprobs = grpo.token_logprobs(model, b, args.temperature)  # (b, T)
             old_k = old[k] if old else logprobs.detach()
             if args.rollout_importance_sampling_mode and iteration == 0:  # trainer vs engine, at rollout time
-                is_weights[k], share = grpo.rollout_is_weights(old_k, engine_lp, mask, args.rollout_importance_sampling_mode,
+                is_weights[k], share = grpo.rollout_is_weights(old_k, b.engine_logprobs, b.loss_mask,
+                                                               args.rollout_importance_sampling_mode,
                                                                args.rollout_importance_sampling_threshold)
-                stats['is_clipped'] += share * mask.sum().item() / num_tokens
-            loss, s = grpo.grpo_loss(logprobs, old_k, advantages[idx], mask, args.epsilon, args.epsilon_high, args.beta,
-                                     ref[k] if ref else None, norms[k][1], norms[k][0], args.importance_sampling_level,
-                                     is_weights[k])
+                stats['is_clipped'] += share * b.loss_mask.sum().item() / num_tokens
+            loss, s = grpo.grpo_loss(logprobs, old_k, b.advantages, b.loss_mask, epsilon=args.epsilon,
+                                     epsilon_high=args.epsilon_high, beta=args.beta, ref_logprobs=ref[k] if ref else None,
+                                     token_weights=b.token_weights, denominator=b.denominator,
+                                     level=args.importance_sampling_level, is_weights=is_weights[k])
             loss.backward()
             loss_sum += loss.item()
             stats['kl'] += s['kl'] / args.num_iterations
             stats['clip_ratio'] += s['clip_ratio'] / args.num_iterations
-            gap += ((logprobs.detach() - engine_lp).abs() * mask).sum().item()
+            gap += ((logprobs.detach() - b.engine_logprobs).abs() * b.loss_mask).sum().item()
         if iteration == 0:  # later passes see weights the engine never sampled from
             stats['logprob_gap'] = gap / max(num_tokens, 1)
         if world > 1:  # dapo divided by every process's tokens already: sum; the others: average
@@ -198,6 +190,16 @@ def train_step(model, ref_model, optimizer, trajectories, advantages, args: Args
         stats['grad_norm'] = grad_norm.item()
     model.eval()
     return stats
+
+
+def can_share_prompt(model) -> bool:
+    """The shared-prompt update hands the model a 4D attention mask, which its sdpa and eager
+    attention take; another attention (flash attention) gets the plain update, said once."""
+    attention = model.config._attn_implementation
+    if attention not in ('sdpa', 'eager') and not getattr(can_share_prompt, 'said', False):
+        print(f'note: {attention} attention takes no 4D mask: --share_prompt off, each trajectory computed in full')
+        can_share_prompt.said = True
+    return attention in ('sdpa', 'eager')
 
 
 def sum_gradients(model, divisor: int):
@@ -221,8 +223,9 @@ def play(rollouts, rows, step: int, args: Args, names, weights, rank: int = 0, w
     for rounds in range(args.max_resample_times + 1):
         if not args.dynamic_sample:
             return trajectories, 0
-        *_, keep = grpo.rewards_and_advantages(trajectories, names, weights, args.use_gym_env, g, 0.0)
-        informative = [trajectories[i:i + g] for i in range(0, len(trajectories), g) if set(range(i, i + g)) & set(keep)]
+        rewards = grpo.reward_columns(trajectories, names, args.use_gym_env) @ torch.tensor(weights)  # (N,)
+        spread = grpo.with_spread(rewards, g, grpo.valid(trajectories))  # (N,)
+        informative = [trajectories[i:i + g] for i in range(0, len(trajectories), g) if spread[i:i + g].any()]
         unused = sorted(set(range(len(rows))) - set(picked))
         if len(informative) >= share or rounds == args.max_resample_times or not unused:
             break
@@ -269,7 +272,8 @@ def main(args: Args):
                  active=rank == 0)
 
     def evaluation(step, tag):  # on rank 0 (the others wait); none without held-out rows (--eval_size 0)
-        result = log.evaluation(step, tag, rollouts, eval_rows, env_cls, args.eval_temperature) if eval_rows else None
+        result = log.evaluation(step, tag, rollouts, eval_rows, env_cls, args.eval_temperature,
+                                chunk=args.rows_per_step * args.num_generations) if eval_rows else None
         if world > 1:
             dist.barrier()
         return result
@@ -277,25 +281,28 @@ def main(args: Args):
     if args.eval_only:
         return before
     for step in log.progress(range(start_step + 1, args.max_steps + 1), start_step, args.max_steps):
-        t0 = time.time()  # ---- 1. rollout ----
+        # ---- 1. rollout: this step's rows, a group of trajectories each ----
+        t0 = time.time()
         trajectories, rounds = play(rollouts, rows, step, args, names, weights, rank, world)
-        t1 = time.time()  # ---- 2. rewards and advantages ----
-        columns, rewards, advantages, keep = grpo.rewards_and_advantages(
-            trajectories, names, weights, args.use_gym_env, args.num_generations, args.beta,
-            args.advantage_estimator, args.scale_rewards, args.overlong_filter)
-        if keep:  # ---- 3. update, on the groups that teach something ----
-            rollouts.sleep()
-        stats = train_step(model, ref_model, optimizer, [trajectories[i] for i in keep], advantages[keep], args,
-                           tokenizer.pad_token_id)
+        # ---- 2. rewards and advantages ----
+        t1 = time.time()
+        scores = grpo.score(trajectories, names, weights, use_gym_env=args.use_gym_env, group_size=args.num_generations,
+                            beta=args.beta, estimator=args.advantage_estimator, scale=args.scale_rewards,
+                            overlong_filter=args.overlong_filter, step_advantage_w=args.step_advantage_w, gamma=args.gamma)
+        # ---- 3. update, on the trajectories that train ----
+        rollouts.sleep()
+        stats = train_step(model, ref_model, optimizer, [trajectories[i] for i in scores.train],
+                           scores.turn_advantages[scores.train], args, tokenizer.pad_token_id)
+        rollouts.wake_up()
+        # ---- 4. sync: the engine samples from the new weights (when any process updated, every process did) ----
         t2 = time.time()
-        if keep:  # ---- 4. sync (when any process updated, every process did) ----
-            rollouts.wake_up()
         if stats['logprob_gap'] is not None:
             rollouts.load_weights(model)
-        overlong = sum(t.stop_reason in grpo.OVERLONG for t in trajectories) if args.overlong_filter else 0  # -- 5. log --
+        # ---- 5. log, evaluate, checkpoint ----
+        overlong = sum(t.stop_reason in grpo.OVERLONG for t in trajectories) if args.overlong_filter else 0
         stats.update(resample_rounds=rounds, overlong_filtered=overlong, rollout_s=t1 - t0, train_s=t2 - t1,
                      sync_s=time.time() - t2)
-        log.step(step, gather((trajectories, columns, rewards, advantages, stats), world), args.num_generations)
+        log.step(step, gather((trajectories, scores, stats), world), args.num_generations)
         if args.eval_steps and step % args.eval_steps == 0 and step != args.max_steps:
             evaluation(step, 'during')
         if rank == 0 and (step % args.save_steps == 0 or step == args.max_steps):
