@@ -10,7 +10,8 @@
 4. Beside the env: its `progress` reward (weight 0.5 by default), a `format` reward, held-out
    maps (seeds 100000.., never in data.jsonl), its success test (total_reward >= 1), `draw`.
 env_config keys: `size` (4), `p` (0.8), `seed` (None: a fresh map each reset), `observation`
-('goal': the goal-direction line; 'position': the player's row and column instead, as ms-swift's plugin).
+('goal': the goal-direction line; 'around': it and what lies each way; 'position': the player's row
+and column instead, as ms-swift's plugin).
 
 The dynamics equal Gymnasium's `FrozenLake-v1(desc=..., is_slippery=False)` (test_all.py checks).
 Left out: slippery ice; ms-swift's reading of the *last* direction word of an untagged reply.
@@ -103,6 +104,16 @@ def goal_hint(grid: List[str], row: int, col: int) -> str:
     return f"The goal is {' and '.join(parts)} of you."
 
 
+def around(grid: List[str], row: int, col: int) -> str:
+    """What lies each way, in the action words: 'Around you: up is ice, down is a hole, left is the
+    edge, right is the goal.' It too only restates the grid."""
+    names, parts = {'S': 'ice', 'F': 'ice', 'H': 'a hole', 'G': 'the goal'}, []
+    for move in ('up', 'down', 'left', 'right'):
+        r, c = moved(grid, row, col, move)
+        parts.append(f"{move} is {'the edge' if (r, c) == (row, col) else names[grid[r][c]]}")
+    return f"Around you: {', '.join(parts)}."
+
+
 def parse_action(reply: str) -> Optional[str]:
     """The one move a reply names, or None.
 
@@ -180,15 +191,17 @@ class FrozenLakeEnv(Env):
         seed = env_config.get('seed')
         self.seed = int(seed) if seed is not None else None
         self.observation = env_config.get('observation', 'goal')
-        if self.observation not in ('goal', 'position'):
-            raise ValueError(f"env_config observation {self.observation!r}: choose goal or position")
+        if self.observation not in ('goal', 'around', 'position'):
+            raise ValueError(f"env_config observation {self.observation!r}: choose goal, around or position")
 
     def board(self) -> str:
-        """The grid with the player, then where the goal lies, or with env_config observation
-        'position' only where the player is: the information ms-swift's FrozenLake plugin gives."""
-        where = (goal_hint(self.grid, self.row, self.col) if self.observation == 'goal' else
-                 f'You are in row {self.row + 1}, column {self.col + 1} (counting from the top left).')
-        return f'{render(self.grid, self.row, self.col)}\n{where} Your move?'
+        """The grid with the player, then (env_config observation) 'goal': where the goal lies;
+        'around': that, and what lies each way; 'position': only where the player is, the
+        information ms-swift's FrozenLake plugin gives."""
+        where = {'goal': goal_hint(self.grid, self.row, self.col),
+                 'around': f'{goal_hint(self.grid, self.row, self.col)} {around(self.grid, self.row, self.col)}',
+                 'position': f'You are in row {self.row + 1}, column {self.col + 1} (counting from the top left).'}
+        return f'{render(self.grid, self.row, self.col)}\n{where[self.observation]} Your move?'
 
     async def reset(self, config: RolloutInferRequest):
         self.grid = generate_random_map(self.size, self.p, self.seed)

@@ -116,12 +116,16 @@ class MultiTurnScheduler:
                 live = [t for t in trajectories if not t.stop_reason]
                 if not live:
                     break
-                completions = self.infer_engine.generate([t.segments[-1].token_ids for t in live],
-                                                         self.max_completion_length, self.temperature)
+                completions = self._complete(live)
                 await asyncio.gather(*[self._play_turn(t, c, turn) for t, c in zip(live, completions)])
         finally:
             await self._end(trajectories)
         return trajectories
+
+    def _complete(self, live: List[Trajectory]):
+        """One batched engine call: a reply for each live trajectory."""
+        return self.infer_engine.generate([t.segments[-1].token_ids for t in live], self.max_completion_length,
+                                          self.temperature)
 
     # ---- plumbing shared by both drivers ----
     async def _generate_one(self, prompt: List[int]):
@@ -347,6 +351,16 @@ class WindowScheduler(GYMScheduler):
         req.messages = req.messages[:2] + req.messages[2:][-2 * self.window:]
         return ret
         # END SOLUTION
+
+
+class ExpertScheduler(GYMScheduler):
+    """The env's expert plays instead of the model (`Env.expert_reply`), making the token record a
+    rollout makes, its replies where sampled tokens would be (mask 1, logprob 0: the expert is
+    sure). train.py's --warm_start_steps trains on these games before GRPO."""
+
+    def _complete(self, live):
+        replies = [self._encode(self._envs[t.request.uuid].expert_reply()) + self.turn_closer[:1] for t in live]
+        return [SimpleNamespace(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason='stop') for ids in replies]
 
 
 # --multi_turn_scheduler names; a plugin adds its own: multi_turns['my_scheduler'] = MyScheduler

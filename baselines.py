@@ -1,0 +1,55 @@
+"""What simple rules get on FrozenLake's held-out maps, so that every trained number stands next
+to them: `python baselines.py` (a few seconds; no model).
+
+Each policy plays every map once, at most --max_turns moves, with FrozenLake's own rules
+(`frozen_lake.moved`): the 256 maps train.py evaluates on (seeds 100000..), and 10,000 of them.
+- uniform random: any of the four moves;
+- toward G, blind to holes: a random move that brings the player nearer G (what the goal line says);
+- toward G, around holes: the same, never into an adjacent hole (any other safe move if it must);
+- optimal: the shortest path (BFS), which always exists.
+"""
+import argparse
+import random
+
+from frozen_lake import EVAL_SEED_BASE, MOVES, find, generate_random_map, moved, shortest_path
+
+
+def toward(grid, cell, goal):
+    """The moves that bring the player nearer the goal."""
+    def distance(c):
+        return abs(c[0] - goal[0]) + abs(c[1] - goal[1])
+    return [m for m in MOVES if distance(moved(grid, *cell, m)) < distance(cell)]
+
+
+def safe(grid, cell, moves):
+    return [m for m in moves if grid[moved(grid, *cell, m)[0]][moved(grid, *cell, m)[1]] != 'H']
+
+
+POLICIES = {
+    'uniform random': lambda grid, cell, goal, rng: rng.choice(list(MOVES)),
+    'toward G, blind to holes': lambda grid, cell, goal, rng: rng.choice(toward(grid, cell, goal)),
+    'toward G, around holes': lambda grid, cell, goal, rng: rng.choice(
+        safe(grid, cell, toward(grid, cell, goal)) or safe(grid, cell, list(MOVES)) or list(MOVES)),
+    'optimal (shortest path)': lambda grid, cell, goal, rng: shortest_path(grid, cell)[0],
+}
+
+
+def wins(grid, policy, rng, max_turns: int) -> bool:
+    cell, goal = find(grid, 'S'), find(grid, 'G')
+    for _ in range(max_turns):
+        cell = moved(grid, *cell, policy(grid, cell, goal, rng))
+        if grid[cell[0]][cell[1]] in 'GH':
+            return grid[cell[0]][cell[1]] == 'G'
+    return False
+
+
+if __name__ == '__main__':
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--max_turns', type=int, default=10, help='most moves a game')
+    parser.add_argument('--seed', type=int, default=0, help="the random policies' seed")
+    args = parser.parse_args()
+    maps = [generate_random_map(seed=EVAL_SEED_BASE + i) for i in range(10_000)]
+    for name, policy in POLICIES.items():
+        rng = random.Random(args.seed)
+        won = [wins(grid, policy, rng, args.max_turns) for grid in maps]
+        print(f'{name:26} {sum(won[:256]) / 256:6.1%} of the 256 held-out maps, {sum(won) / len(won):6.1%} of 10,000')
