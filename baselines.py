@@ -5,13 +5,15 @@ Each policy plays every map once, at most --max_turns moves, with FrozenLake's o
 (`frozen_lake.moved`): the 256 maps train.py evaluates on (seeds 100000..), and 10,000 of them.
 - uniform random: any of the four moves;
 - toward G, blind to holes: a random move that brings the player nearer G (what the goal line says);
+- the goal line's first word: always the first direction `goal_hint` names (rows before columns);
 - toward G, around holes: the same, never into an adjacent hole (any other safe move if it must);
 - optimal: the shortest path (BFS), which always exists.
 """
 import argparse
 import random
+import re
 
-from frozen_lake import EVAL_SEED_BASE, MOVES, find, generate_random_map, moved, shortest_path
+from frozen_lake import EVAL_SEED_BASE, MOVES, find, generate_random_map, goal_hint, moved, shortest_path
 
 
 def toward(grid, cell, goal):
@@ -28,6 +30,7 @@ def safe(grid, cell, moves):
 POLICIES = {
     'uniform random': lambda grid, cell, goal, rng: rng.choice(list(MOVES)),
     'toward G, blind to holes': lambda grid, cell, goal, rng: rng.choice(toward(grid, cell, goal)),
+    "the goal line's first word": lambda grid, cell, goal, rng: re.search(r'up|down|left|right', goal_hint(grid, *cell))[0],
     'toward G, around holes': lambda grid, cell, goal, rng: rng.choice(
         safe(grid, cell, toward(grid, cell, goal)) or safe(grid, cell, list(MOVES)) or list(MOVES)),
     'optimal (shortest path)': lambda grid, cell, goal, rng: shortest_path(grid, cell)[0],
@@ -52,4 +55,4 @@ if __name__ == '__main__':
     for name, policy in POLICIES.items():
         rng = random.Random(args.seed)
         won = [wins(grid, policy, rng, args.max_turns) for grid in maps]
-        print(f'{name:26} {sum(won[:256]) / 256:6.1%} of the 256 held-out maps, {sum(won) / len(won):6.1%} of 10,000')
+        print(f'{name:27} {sum(won[:256]) / 256:6.1%} of the 256 held-out maps, {sum(won) / len(won):6.1%} of 10,000')

@@ -143,11 +143,13 @@ class RunLog:
             **stats,
         }
         self._write(record)
-        for t, r, a, col in zip(trajectories, rewards.tolist(), advantages.tolist(), columns.tolist()):
+        per_turn = sum((p[1].turn_advantages.tolist() for p in parts), [])
+        for t, r, a, col, turns in zip(trajectories, rewards.tolist(), advantages.tolist(), columns.tolist(), per_turn):
             self.completions.write(json.dumps({
                 'step': step, 'env': (t.request.data_dict.get('env_config') or {}).get('name') or self.gym_env,
                 'env_config': t.request.data_dict.get('env_config'), 'messages': t.request.messages,
                 'rewards': dict(zip(self.column_names, col)), 'reward': r, 'advantage': a,
+                'turn_advantages': turns[:t.num_turns],
                 'rollout_infos': t.rollout_infos,  # and each segment's conversation, when a scheduler rewrote history
                 **({'segments': [s.messages for s in t.segments]} if len(t.segments) > 1 else {})}) + '\n')
         self.completions.flush()

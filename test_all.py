@@ -1239,7 +1239,8 @@ def test_train_end_to_end_hf_engine_and_resume(tmp_path, tiny_model_dir):
     assert len(evaluations) == 2 and all('eval/reward' in e and 'eval/success' not in e for e in evaluations)
     lines = [json.loads(line) for line in open(folder / 'completions.jsonl')]
     assert len(lines) == 2 * 2 * 2 and all(set(c['rewards']) == {'gym'} for c in lines)  # no FrozenLake reward
-    for key in ('step', 'env', 'env_config', 'messages', 'rewards', 'reward', 'advantage', 'rollout_infos'):
+    for key in ('step', 'env', 'env_config', 'messages', 'rewards', 'reward', 'advantage', 'turn_advantages',
+                'rollout_infos'):
         assert all(key in c for c in lines), key
     assert all(c['advantage'] == 0 for c in lines if c['rollout_infos']['stop_reason'] == 'error')
     assert (folder / 'latest').read_text() == 'checkpoint-2' and not (folder / 'checkpoint-1').exists()
