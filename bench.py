@@ -23,6 +23,8 @@ parser.add_argument('--rows', type=int, default=4, help='FrozenLake maps (seeds 
 parser.add_argument('--num_generations', type=int, default=8, help='trajectories per map')
 parser.add_argument('--micro_batch_size', type=int, default=8, help="update: segments per forward/backward")
 parser.add_argument('--block_size', type=int, default=32, help="eval: vLLM's KV cache block (vLLM-CPU's own default: 128)")
+parser.add_argument('--chunks', default='256,32,128', help='eval: games played at a time, each size in turn')
+parser.add_argument('--kv_cache_gib', type=float, default=0.5, help="eval: vLLM's KV cache (train.py's --vllm_kv_cache_gib)")
 cli = parser.parse_args()
 
 os.environ.setdefault('TORCH_CPP_LOG_LEVEL', 'ERROR')  # read once, when torch loads: quiets vLLM-CPU's NUMA notice
@@ -102,14 +104,14 @@ if cli.part == 'update':
           f'parameters x tokens) against {statistics.median(matmuls):.0f} for a 2048x2048 fp32 matmul')
 
 if cli.part == 'eval':
-    engine = VLLMEngine(path, kv_cache_gib=args.vllm_kv_cache_gib, block_size=cli.block_size, disable_log_stats=False)
+    engine = VLLMEngine(path, kv_cache_gib=cli.kv_cache_gib, block_size=cli.block_size, disable_log_stats=False)
     held_out = frozen_lake.FrozenLakeEnv.eval_rows(args.eval_size, {})
     lake = Colocated(engine, scheduler_on(engine))
 
     def counts():  # vLLM's own counters
         names = ('prompt_tokens', 'prefix_cache_hits', 'generation_tokens', 'num_preemptions')
         return {m.name[5:]: m.value for m in engine.llm.get_metrics() if m.name[5:] in names}
-    for size in (len(held_out), args.rows_per_step * args.num_generations):
+    for size in map(int, cli.chunks.split(',')):
         before = counts()
         seconds, result = timed(lambda: evaluate(lake, held_out, frozen_lake.FrozenLakeEnv, 0.0, size), 1)
         done = {k: int(v - before[k]) for k, v in counts().items()}

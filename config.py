@@ -75,7 +75,7 @@ class Args:
     warm_start_steps: int = field(default=0, metadata={'help': "supervised steps on the env's expert games (Env.expert_reply) before GRPO"})
     # ---- run ----
     max_steps: int = field(default=26, metadata={'help': 'optimizer steps'})
-    eval_steps: int = field(default=20, metadata={'help': 'evaluate every N steps (0: only before and after)'})
+    eval_steps: int = field(default=0, metadata={'help': 'evaluate every N steps (0: only before and after)'})
     eval_size: int = field(default=256, metadata={'help': 'most held-out rows to evaluate on (0: no evaluation)'})
     eval_temperature: float = field(default=0.0, metadata={'help': 'sampling temperature of evaluation (0: greedy)'})
     eval_only: bool = field(default=False, metadata={'help': 'evaluate --model and stop'})

@@ -100,7 +100,7 @@ class VLLMEngine(Engine):
         from vllm import LLM
         self.cuda = torch.cuda.is_available()
         # CPU: the KV cache lives in RAM, in blocks of 32 tokens rather than vLLM-CPU's 128, so that
-        # the prefix cache holds more of what turns and games share (README docs/speed-and-scaling.md)
+        # the prefix cache holds more of what turns and games share (docs/speed-and-scaling.md)
         memory = ({'gpu_memory_utilization': gpu_memory_utilization, 'enable_sleep_mode': True} if self.cuda
                   else {'kv_cache_memory_bytes': int(kv_cache_gib * 2**30), 'block_size': 32})
         if self.cuda and int(os.environ.get('WORLD_SIZE', 1)) > 1:  # under torchrun: join its processes, as TRL

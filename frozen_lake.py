@@ -139,7 +139,7 @@ def progress_reward(messages: Messages) -> float:
     net progress (wandering, bumping an edge, unreadable replies), negative further away.
     Distances are Manhattan; a hole ends the walk where it is. The walk is replayed from the first
     board and the replies, so it needs nothing but the messages. Why it is the default rather than
-    `format`: README, "Why seed 1 wandered"."""
+    `format`: docs/results.md, "Why seed 1 wandered"."""
     # BEGIN SOLUTION exercise 1: the progress reward
     board = next(m['content'] for m in messages if m['role'] == 'user').splitlines()
     grid = [''.join(cells) for cells in map(str.split, board) if cells and all(len(c) == 1 for c in cells)]

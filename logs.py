@@ -44,8 +44,8 @@ GAMES_SHOWN = 4  # held-out games in agent.png, per evaluation
 def evaluate(rollouts, rows, env_cls, temperature: float, chunk: int = 32, progress: bool = False) -> dict:
     """One trajectory per held-out row: the mean gym reward, and success with its interval when the
     env says what success is. The games are played `chunk` at a time, the size of a training
-    step's batch: all of them at once would not fit the engine's KV cache, which would then drop
-    and recompute the conversations it shares between turns (docs/speed-and-scaling.md)."""
+    step's batch, which fits the engine's KV cache: all of them at once would not, and the engine
+    would drop and recompute the conversations it shares between turns (docs/speed-and-scaling.md)."""
     trajectories = []
     for i in tqdm(range(0, len(rows), chunk), desc='eval', unit='chunk', disable=not progress, leave=False):
         trajectories += rollouts.rollout(rows[i:i + chunk], 1, temperature)

@@ -825,7 +825,7 @@ def test_loss_types_by_hand():
         assert sum(halves).item() == pytest.approx(value), loss_type  # micro-batches add up to the batch
 
 
-def test_the_defaults_reproduce_the_plain_loss_exactly():
+def test_the_defaults_reproduce_the_plain_loss():
     torch.manual_seed(0)
     logp, old, ref = torch.randn(3, 6) / 5, torch.randn(3, 6) / 5, torch.randn(3, 6) / 5
     mask, adv = (torch.rand(3, 6) > 0.3).long(), torch.randn(3)
@@ -834,8 +834,8 @@ def test_the_defaults_reproduce_the_plain_loss_exactly():
     delta = ref - logp
     plain = ((per_token + 0.1 * (torch.exp(delta) - delta - 1)) * mask.float()).sum() / 11
     weights, denominator = grpo.normaliser(mask, config.Args().loss_type, 3, 11, max_sampled=160)
-    assert torch.equal(grpo.grpo_loss(logp, old, adv, mask, beta=0.1, ref_logprobs=ref, denominator=denominator,
-                                      token_weights=weights)[0], plain)
+    got = grpo.grpo_loss(logp, old, adv, mask, beta=0.1, ref_logprobs=ref, denominator=denominator, token_weights=weights)[0]
+    assert torch.allclose(got, plain, rtol=1e-6, atol=0)  # the same sum, perhaps in another order
 
 
 def test_advantage_estimators_and_scales_by_hand():
@@ -1050,6 +1050,7 @@ def test_a_plugin_scheduler_serves_through_server_py(tokenizer, tmp_path):
         server.parse_args(['--multi_turn_scheduler', 'chess'])
 
 
+@pytest.mark.skipif(not os.path.isdir(os.path.join(HERE, '.git')), reason='not a git checkout (a student copy)')
 def test_the_student_copy_leaves_each_exercise_to_the_student(tmp_path):
     """student_copy.py blanks every solution region. In the copy each exercise's graders (the -k
     of its command in EXERCISES.md) fail with an exercise's NotImplementedError, and every other
@@ -1518,7 +1519,10 @@ def test_train_lora_end_to_end_resume_evaluate_and_merge(tmp_path, tiny_model_di
                           '--eval_size', '2', '--engine', 'hf', '--output_dir', str(tmp_path / 'eval')],
                          cwd=HERE, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and 'eval before step 0' in run.stdout, run.stderr[-2000:]
-    # the README's merge: an ordinary model folder that computes what the adapter model computes
+    (tmp_path / 'warm').mkdir()  # a warm start alone is kept as checkpoint-0
+    run_train(tmp_path / 'warm', tiny_model_dir, *flags, '--warm_start_steps', '1', '--max_steps', '0', '--eval_size', '0')
+    assert (tmp_path / 'warm' / 'out' / 'checkpoint-0' / 'adapter_model.safetensors').exists()
+    # docs/speed-and-scaling.md's merge: an ordinary model folder that computes what the adapter model computes
     AutoPeftModelForCausalLM.from_pretrained(folder / 'checkpoint-3').merge_and_unload().save_pretrained(tmp_path / 'merged')
     ids = torch.randint(0, 1000, (1, 10))
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / 'merged')(ids).logits

@@ -11,7 +11,7 @@ Implements "6. 训练" of the GYM-env document; colocate mode by default, server
 5. log: one line, metrics.jsonl, completions.jsonl; evaluate and checkpoint every few steps.
 The flags and their checks are in config.py; the task's own rules (extra rewards, held-out rows,
 success) come from its env class (env.py).
-LoRA (peft) and several processes (torchrun) are options; README: "Scaling up".
+LoRA (peft) and several processes (torchrun) are options; docs/speed-and-scaling.md.
 Left out: CPU mixed precision, learning-rate schedules, reward models, FSDP/DeepSpeed.
 """
 import contextlib
@@ -301,6 +301,8 @@ def main(args: Args):
     if args.warm_start_steps and not start_step:  # ---- 0. warm start on the env's expert, if asked ----
         warm_start(model, optimizer, rows, args, tokenizer, rank, world)
         rollouts.load_weights(model)
+        if rank == 0 and not args.max_steps:  # a warm start alone is kept as checkpoint-0
+            save_checkpoint(model, tokenizer, optimizer, 0, args.output_dir)
     for step in log.progress(range(start_step + 1, args.max_steps + 1), start_step, args.max_steps):
         # ---- 1. rollout: this step's rows, a group of trajectories each ----
         t0 = time.time()
