@@ -224,6 +224,14 @@ class MicroBatch:
     denominator: float  # ... the loss normaliser (`normaliser`)
 
 
+MAX_PACKED = 2048  # tokens of a packed row: its attention is a P x P matrix per head and layer
+
+
+def shared_prefix(a, b) -> int:
+    """The length of the longest common prefix of two token lists."""
+    return next((p for p, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def pack(segments):
     """(input_ids (1, P), 4D attention mask, position_ids (1, P), predictor (b, T)) of the segments
     packed into one row in which every distinct prefix appears once: each segment adds only what
@@ -237,7 +245,7 @@ def pack(segments):
     width = max(len(s.token_ids) for s in segments)
     for s in segments:
         x = s.token_ids
-        shared = next((p for p, (a, b) in enumerate(zip(before, x)) if a != b), min(len(before), len(x)))
+        shared = shared_prefix(before, x)
         path = path[:shared] + list(range(len(tokens), len(tokens) + len(x) - shared))
         for p in range(shared, len(x)):  # a new token sees the tokens of its segment up to itself
             rows += [path[p]] * (p + 1)
@@ -262,9 +270,17 @@ def micro_batches(trajectories, advantages: torch.Tensor, *, size: int, pad_id: 
     rows.sort(key=(lambda row: row[1].token_ids) if share_prompt else (lambda row: len(row[1].token_ids)))
     sampled = [sum(sum(s.loss_mask) for s in t.segments) for t in trajectories]  # per trajectory
     per_turn = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)  # (N, T)
-    batches = []
-    for k in range(0, len(rows), size):
-        chunk = rows[k:k + size]
+    batches, chunks = [], [rows[k:k + size] for k in range(0, len(rows), size)]
+    if share_prompt:  # at most `size` segments and MAX_PACKED packed tokens a micro-batch (attention is P x P)
+        chunks, packed = [], 0
+        for k, row in enumerate(rows):
+            new = len(row[1].token_ids) - (shared_prefix(rows[k - 1][1].token_ids, row[1].token_ids) if k else 0)
+            if not chunks or len(chunks[-1]) == size or packed + new > MAX_PACKED:
+                chunks.append([])
+                new, packed = len(row[1].token_ids), 0
+            chunks[-1].append(row)
+            packed += new
+    for chunk in chunks:
         width = max(len(s.token_ids) for _, s in chunk)
 
         def pad(values, fill):

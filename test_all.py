@@ -1200,17 +1200,22 @@ def logprobs_and_gradients(model, trajectories, share_prompt, size):
 
 
 @slow
-def test_shared_prompt_update_equals_the_plain_one(tiny_model_dir):
+def test_shared_prompt_update_equals_the_plain_one(tiny_model_dir, monkeypatch):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)  # fp32, sdpa attention
     trajectories = shared_prompt_groups()
     plain, plain_grads, plain_batches = logprobs_and_gradients(model, trajectories, False, 4)
-    for size in (3, 4, 15):  # micro-batches within a group, across groups, the whole batch in one
+    for size in (3, 4, 15, 'budget'):  # micro-batches within a group, across groups, the whole batch in one
+        if size == 'budget':  # and rows of at most MAX_PACKED tokens (a segment longer than that alone)
+            monkeypatch.setattr(grpo, 'MAX_PACKED', 80)
+            size = 15
         shared, grads, batches = logprobs_and_gradients(model, trajectories, True, size)
+        assert all(b.input_ids.shape[1] <= grpo.MAX_PACKED or len(b.targets) == 1 for b in batches)
+        assert len(batches) > 1 or grpo.MAX_PACKED > 80
         assert shared.keys() == plain.keys()
         assert all(torch.allclose(shared[k], plain[k], atol=1e-5) for k in plain), size
         assert all(torch.allclose(grads[k], plain_grads[k], atol=1e-5) for k in grads), size
-        if size == 15:  # one packed row: every distinct prefix once (the system message, each group's prompt, ...)
+        if size == 15 and grpo.MAX_PACKED > 80:  # one packed row: every distinct prefix once (the system message, each group's prompt, ...)
             prefixes = {tuple(s.token_ids[:p + 1]) for t in trajectories for s in t.segments for p in range(len(s.token_ids))}
             assert batches[0].input_ids.numel() == len(prefixes) < sum(b.attention_mask.sum() for b in plain_batches) / 2
 
