@@ -270,16 +270,15 @@ def micro_batches(trajectories, advantages: torch.Tensor, *, size: int, pad_id: 
     rows.sort(key=(lambda row: row[1].token_ids) if share_prompt else (lambda row: len(row[1].token_ids)))
     sampled = [sum(sum(s.loss_mask) for s in t.segments) for t in trajectories]  # per trajectory
     per_turn = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)  # (N, T)
-    batches, chunks = [], [rows[k:k + size] for k in range(0, len(rows), size)]
-    if share_prompt:  # at most `size` segments and MAX_PACKED packed tokens a micro-batch (attention is P x P)
-        chunks, packed = [], 0
-        for k, row in enumerate(rows):
-            new = len(row[1].token_ids) - (shared_prefix(rows[k - 1][1].token_ids, row[1].token_ids) if k else 0)
-            if not chunks or len(chunks[-1]) == size or packed + new > MAX_PACKED:
-                chunks.append([])
-                new, packed = len(row[1].token_ids), 0
-            chunks[-1].append(row)
-            packed += new
+    chunks, packed = [], 0  # at most `size` segments a micro-batch; packed, at most MAX_PACKED tokens
+    for k, (i, s) in enumerate(rows):
+        new = len(s.token_ids) - (shared_prefix(rows[k - 1][1].token_ids, s.token_ids) if k else 0)
+        if not chunks or len(chunks[-1]) == size or (share_prompt and packed + new > MAX_PACKED):
+            chunks.append([])
+            new, packed = len(s.token_ids), 0
+        chunks[-1].append((i, s))
+        packed += new
+    batches = []
     for chunk in chunks:
         width = max(len(s.token_ids) for _, s in chunk)
 

@@ -1050,7 +1050,7 @@ def test_a_plugin_scheduler_serves_through_server_py(tokenizer, tmp_path):
         server.parse_args(['--multi_turn_scheduler', 'chess'])
 
 
-@pytest.mark.skipif(not os.path.isdir(os.path.join(HERE, '.git')), reason='not a git checkout (a student copy)')
+@pytest.mark.skipif(not os.path.exists(os.path.join(HERE, '.git')), reason='not a git checkout (a student copy)')
 def test_the_student_copy_leaves_each_exercise_to_the_student(tmp_path):
     """student_copy.py blanks every solution region. In the copy each exercise's graders (the -k
     of its command in EXERCISES.md) fail with an exercise's NotImplementedError, and every other
