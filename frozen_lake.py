@@ -70,17 +70,6 @@ def shortest_path(grid: List[str], start=None) -> Optional[List[str]]:
     return None
 
 
-def expert_move(grid: List[str], row: int, col: int) -> str:
-    """The expert's move: the first of a shortest path to G; of several, the one the goal line names
-    first (then its other word), so the expert leaves the goal line only where that way is a hole or
-    a dead end: an expert the observation explains is one a small model can imitate."""
-    length = len(shortest_path(grid, (row, col)))
-    for move in _WORD.findall(goal_hint(grid, row, col)) + list(MOVES):
-        r, c = moved(grid, row, col, move)
-        if grid[r][c] != 'H' and len(shortest_path(grid, (r, c))) == length - 1:
-            return move
-
-
 def generate_random_map(size: int = 4, p: float = 0.8, seed: Optional[int] = None) -> List[str]:
     """A solvable size x size map as a list of strings over S/G/H/F; p = P(safe ice)."""
     rng = random.Random(seed)
@@ -239,7 +228,7 @@ class FrozenLakeEnv(Env):
         return self.row, self.col  # the map is the group's: the cell is the state
 
     def expert_reply(self):
-        return f'<action>{expert_move(self.grid, self.row, self.col)}</action>'
+        return f'<action>{shortest_path(self.grid, (self.row, self.col))[0]}</action>'
 
     async def close(self):
         pass

@@ -193,22 +193,6 @@ def test_parse_action(reply, move):
     assert parse_action(reply) == move
 
 
-def test_the_expert_walks_a_shortest_path_the_goal_line_first_where_it_can():
-    left_the_line = 0
-    for seed in range(300):
-        grid = generate_random_map(seed=seed)
-        cell, length = frozen_lake.find(grid, 'S'), len(shortest_path(grid))
-        for turn in range(length):
-            move, first = frozen_lake.expert_move(grid, *cell), parse_action(frozen_lake.goal_hint(grid, *cell).split(' and ')[0])
-            if move != first:  # only where the first word's way is a hole or no shortest path
-                left_the_line += 1
-                r, c = frozen_lake.moved(grid, *cell, first)
-                assert grid[r][c] == 'H' or len(shortest_path(grid, (r, c))) >= length - turn
-            cell = frozen_lake.moved(grid, *cell, move)
-        assert grid[cell[0]][cell[1]] == 'G'
-    assert left_the_line > 0
-
-
 def test_baselines_rank_as_they_should():
     import baselines
     maps, rng = [generate_random_map(seed=100_000 + i) for i in range(300)], random.Random(0)
