@@ -272,7 +272,7 @@ def micro_batches(trajectories, advantages: torch.Tensor, *, size: int, pad_id: 
     per_turn = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)  # (N, T)
     chunks, packed = [], 0  # at most `size` segments a micro-batch; packed, at most MAX_PACKED tokens
     for k, (i, s) in enumerate(rows):
-        new = len(s.token_ids) - (shared_prefix(rows[k - 1][1].token_ids, s.token_ids) if k else 0)
+        new = len(s.token_ids) - (shared_prefix(rows[k - 1][1].token_ids, s.token_ids) if k and share_prompt else 0)
         if not chunks or len(chunks[-1]) == size or (share_prompt and packed + new > MAX_PACKED):
             chunks.append([])
             new, packed = len(s.token_ids), 0
