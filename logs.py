@@ -21,6 +21,7 @@ from typing import Optional
 import torch
 from tqdm import tqdm
 
+import grpo
 from scheduler import Trajectory
 
 
@@ -130,16 +131,16 @@ class RunLog:
         trajectories = sum((p[0] for p in parts), [])
         columns, rewards, advantages = (torch.cat([getattr(p[1], k) for p in parts]) for k in ('columns', 'rewards', 'advantages'))
         stats = {k: (sum if k == 'overlong_filtered' else mean)([p[2][k] for p in parts]) for k in parts[0][2]}
-        grouped = rewards.view(-1, group_size)  # (groups, G)
+        valid = torch.cat([p[1].valid for p in parts])
         record = {
             'step': step,
             'reward': rewards.mean().item(),
             **{f'reward/{n}': columns[:, i].mean().item() for i, n in enumerate(self.column_names)},
-            'zero_adv_groups': (grouped.std(1) == 0).float().mean().item(),
+            'zero_adv_groups': 1 - grpo.with_spread(rewards, group_size, valid).view(-1, group_size).any(1).float().mean().item(),
             'env_errors': sum(t.stop_reason == 'error' for t in trajectories),
             'valid_actions': valid_share(trajectories),
             'turns': sum(t.num_turns for t in trajectories) / len(trajectories),
-            'sampled_tokens': sum(sum(s.loss_mask) for t in trajectories for s in t.segments),
+            'sampled_tokens': sum(t.num_sampled for t in trajectories),
             **stats,
         }
         self._write(record)
@@ -147,7 +148,7 @@ class RunLog:
         for t, r, a, col, turns in zip(trajectories, rewards.tolist(), advantages.tolist(), columns.tolist(), per_turn):
             self.completions.write(json.dumps({
                 'step': step, 'env': (t.request.data_dict.get('env_config') or {}).get('name') or self.gym_env,
-                'env_config': t.request.data_dict.get('env_config'), 'messages': t.request.messages,
+                'env_config': t.request.data_dict.get('env_config'), 'messages': t.messages,
                 'rewards': dict(zip(self.column_names, col)), 'reward': r, 'advantage': a,
                 'turn_advantages': turns[:t.num_turns],
                 'rollout_infos': t.rollout_infos,  # and each segment's conversation, when a scheduler rewrote history
@@ -159,7 +160,8 @@ class RunLog:
         tqdm.write(f"step {step}: reward {record['reward']:.3f} gym {fmt(gym, '.3f')} "
                    f"valid {fmt(record['valid_actions'], '.0%')} turns {record['turns']:.1f} "
                    f"zero-adv {record['zero_adv_groups']:.0%} env-errors {record['env_errors']} "
-                   f"loss {stats['loss']:.4f} kl {stats['kl']:.4f} gap {fmt(stats['logprob_gap'], '.2e')}{variants} "
+                   f"loss {stats['loss']:.4f} kl {stats['kl']:.4f} entropy {stats['entropy']:.3f} "
+                   f"gap {stats['logprob_gap']:.2e}{variants} "
                    f"| rollout {stats['rollout_s']:.0f}s train {stats['train_s']:.0f}s sync {stats['sync_s']:.1f}s")
 
     def evaluation(self, step: int, tag: str, rollouts, rows, env_cls, temperature: float, chunk: int) -> dict:

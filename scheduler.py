@@ -53,6 +53,12 @@ class Trajectory:
     rollout_infos: Dict[str, Any] = field(default_factory=dict)
     stop_reason: Optional[str] = None
     num_turns: int = 0
+    messages: Messages = field(default_factory=list)  # the whole conversation, as it happened (rewards read it)
+
+    @property
+    def num_sampled(self) -> int:
+        """How many tokens the model sampled in this trajectory (its loss-mask 1s)."""
+        return sum(sum(s.loss_mask) for s in self.segments)
 
 
 class MultiTurnScheduler:
@@ -145,6 +151,8 @@ class MultiTurnScheduler:
         except Exception as e:
             completions = [e] * len(batch)
         for (_, future), completion in zip(batch, completions):
+            if future.cancelled():  # its run() was cancelled while it waited: the others still get theirs
+                continue
             future.set_exception(completion) if isinstance(completion, Exception) else future.set_result(completion)
 
     async def _hook(self, name: str, *args):
@@ -186,7 +194,7 @@ class MultiTurnScheduler:
 
     async def _start(self, requests) -> List[Trajectory]:
         failed = await self._hook('on_trajectory_start', requests) or {}
-        trajectories = [Trajectory(req) for req in requests]
+        trajectories = [Trajectory(req, messages=deepcopy(req.messages)) for req in requests]
         for t in trajectories:
             if t.request.uuid in failed:
                 t.stop_reason, t.rollout_infos = 'error', {'total_reward': 0.0, 'error': failed[t.request.uuid]}
@@ -198,10 +206,11 @@ class MultiTurnScheduler:
         segment, req, sampled = t.segments[-1], t.request, completion.token_ids
         text = self.tokenizer.decode(sampled, skip_special_tokens=True)
         completion.message = SimpleNamespace(role='assistant', content=text)  # ms-swift's response_choice.message
-        if req.messages[-1]['role'] == 'assistant':  # the reply continues the last assistant message
-            req.messages[-1]['content'] += text
-        else:
-            req.messages.append({'role': 'assistant', 'content': text})
+        for messages in (req.messages, t.messages):  # the model's view, and the whole conversation
+            if messages[-1]['role'] == 'assistant':  # the reply continues the last assistant message
+                messages[-1]['content'] += text
+            else:
+                messages.append({'role': 'assistant', 'content': text})
         t.num_turns = turn
         result = await self._hook('on_turn_end', req, completion, turn)
         t.rollout_infos.update(result.get('rollout_infos') or {})
@@ -219,13 +228,16 @@ class MultiTurnScheduler:
         ret = await self._hook('step', req, completion, turn)
         t.request = req = ret['infer_request']
         t.rollout_infos.update(ret.get('rollout_infos') or {})
+        self._log_step(t, before)
         ids = list(ret.get('response_token_ids') or sampled)
         mask = list(ret.get('response_loss_mask') or [1] * len(ids))
-        trained = [i for i, m in zip(ids, mask) if m]
-        logprobs = list(ret.get('rollout_logprobs') or completion.logprobs[:len(trained)])
-        if len(mask) != len(ids) or trained != sampled[:len(trained)] or len(logprobs) != len(trained):
-            raise UserError(f'{type(self).__name__}.step: response_loss_mask must be as long as response_token_ids, '
-                            'with 1 on a prefix of the sampled ids only, and rollout_logprobs one per such id')
+        same = next((k for k, (a, b) in enumerate(zip(ids, sampled)) if a != b), min(len(ids), len(sampled)))
+        trained = [k for k, m in enumerate(mask) if m]  # positions; each must hold the id sampled there
+        logprobs = list(ret.get('rollout_logprobs') or [completion.logprobs[k] for k in trained if k < same])
+        if len(mask) != len(ids) or any(k >= same for k in trained) or len(logprobs) != len(trained):
+            raise UserError(f'{type(self).__name__}.step: response_loss_mask must be as long as response_token_ids '
+                            'and put 1 only on sampled ids at their sampled positions (everything before them '
+                            'unchanged), and rollout_logprobs one per such id')
         self._append(segment, ids, mask, logprobs, turn)
         if req.messages[-1]['role'] == 'assistant':  # the next reply continues this message, from these ids
             if len(segment.token_ids) + self.max_completion_length > self.max_model_len:
@@ -233,6 +245,16 @@ class MultiTurnScheduler:
             return
         self._close_turn(segment, ids)
         self._sync(t, before)
+
+    @staticmethod
+    def _log_step(t: Trajectory, before: Messages):
+        """Add what the step hook added to the whole conversation: the messages it appended, or, when
+        it rewrote history, its newest message; a continued reply replaces the last one."""
+        after = t.request.messages
+        if after[-1]['role'] == 'assistant':
+            t.messages[-1] = deepcopy(after[-1])
+        else:
+            t.messages += deepcopy(after[len(before):] if after[:len(before)] == before else after[-1:])
 
     def _sync(self, t: Trajectory, before: Messages):
         """Append the new messages' tokens (mask 0) when the hooks only appended; otherwise close the

@@ -9,6 +9,7 @@ slow: the real thing on a tiny random Llama: trainer logprobs, train.py end to e
 """
 import asyncio
 import contextlib
+import dataclasses
 import copy
 import importlib.util
 import json
@@ -35,7 +36,7 @@ from env import Env, RolloutInferRequest, UserError, envs, load_dataset, load_pl
 from frozen_lake import MOVES, generate_random_map, parse_action, shortest_path
 import logs
 from logs import evaluate
-from scheduler import GYMScheduler, HintScheduler, Segment, Trajectory, multi_turns, requests_for, rollout
+from scheduler import GYMScheduler, HintScheduler, MultiTurnScheduler, Segment, Trajectory, multi_turns, requests_for, rollout
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 slow = pytest.mark.slow
@@ -372,9 +373,9 @@ def test_a_hook_that_rewrites_history_starts_a_new_segment(tokenizer):
     reply = len(tokenizer.encode('<action>left</action>', add_special_tokens=False)) + 1
     assert [k for k, _ in sampled] == [k for k in range(1, 7) for _ in range(reply)]  # every reply once, in order
     one = [Trajectory(RolloutInferRequest([]), t.segments), Trajectory(RolloutInferRequest([]), t.segments[:1])]
-    batches = grpo.micro_batches(one, torch.tensor([1.0, -1.0]), size=8, pad_id=0, loss_type='grpo', num_tokens=1,
-                                 max_sampled=1)
-    weights = sum((b.token_weights * b.loss_mask).sum() for b in batches)
+    batches = grpo.micro_batches(one, torch.tensor([1.0, -1.0]), size=8, pad_id=0)
+    weights = sum(grpo.aggregate(torch.ones_like(b.advantages), b.loss_mask, b.trajectory_tokens, 'grpo', 1.0)
+                  for b in batches)
     assert weights.item() == pytest.approx(2.0)  # --loss_type grpo: each trajectory's tokens weigh 1 in all
 
 
@@ -389,6 +390,66 @@ def test_the_expert_plays_a_rollouts_token_record(tokenizer):
         assert tokenizer.decode([i for i, m in zip(segment.token_ids, segment.loss_mask) if m]).count('</action>') == t.num_turns
     with pytest.raises(UserError, match='^--warm_start_steps 2: env echo has no expert'):
         config.check_args(config.parse_args(['--warm_start_steps', '2', '--gym_env', 'echo']))
+
+
+def test_sampled_ids_train_only_where_they_were_sampled(tokenizer):
+    class Numbered(ScriptedEngine):  # each sampled token's logprob says where it was sampled: -0.1, -0.2, ...
+        def generate(self, prompts, max_tokens, temperature):
+            out = super().generate(prompts, max_tokens, temperature)
+            return [Completion(c.token_ids, [-0.1 * (k + 1) for k in range(len(c.token_ids))], c.finish_reason) for c in out]
+
+    class Before(GYMScheduler):  # a tool's ids put *before* the reply: the reply would train in a context never seen
+        def step(self, req, response_choice, turn):
+            ret = super().step(req, response_choice, turn)
+            tool = self.tokenizer.encode(' [tool]', add_special_tokens=False)
+            ids = list(response_choice.token_ids)
+            return {**ret, 'response_token_ids': tool + ids, 'response_loss_mask': [0] * len(tool) + [1] * len(ids)}
+
+    class SkipFirst(GYMScheduler):  # the reply's ids where they were sampled, the first one not trained on: fine
+        def step(self, req, response_choice, turn):
+            ids = list(response_choice.token_ids)
+            return {**super().step(req, response_choice, turn), 'response_token_ids': ids,
+                    'response_loss_mask': [0] + [1] * (len(ids) - 1)}
+
+    engine = Numbered(tokenizer, lambda text: 'no idea')
+    with pytest.raises(UserError, match=r'^Before\.step: response_loss_mask .* only on sampled ids at their sampled positions'):
+        rollout(Before(engine, 2, tokenizer=tokenizer, gym_env='frozen_lake'), requests([0]))
+    (t,) = rollout(SkipFirst(engine, 2, tokenizer=tokenizer, gym_env='frozen_lake'), requests([0]))
+    (segment,) = t.segments
+    first = [lp for lp, k in zip(segment.logprobs, segment.turns) if k == 1]
+    n = len(tokenizer.encode('no idea', add_special_tokens=False)) + 1
+    assert first == pytest.approx([-0.1 * (k + 1) for k in range(1, n)])  # each logprob of the id sampled there
+
+
+def test_a_cancelled_wait_for_the_engine_leaves_the_others_served(tokenizer):
+    scheduler = MultiTurnScheduler(ScriptedEngine(tokenizer, lambda text: 'x'), 1, tokenizer=tokenizer)
+
+    async def two_then_cancel_one():
+        first = asyncio.ensure_future(scheduler._generate_one([1, 2]))
+        second = asyncio.ensure_future(scheduler._generate_one([3, 4]))
+        await asyncio.sleep(0)  # both have queued their prompt; the engine call comes next
+        first.cancel()
+        return await asyncio.wait_for(second, timeout=5)
+    assert asyncio.run(two_then_cancel_one()).finish_reason == 'stop'
+
+
+def test_rewards_read_the_whole_game_after_a_history_rewrite(tokenizer):
+    class LastObservation(GYMScheduler):  # the README's: the model sees the system prompt and the newest observation
+        def step(self, infer_request, response_choice, current_turn):
+            ret = super().step(infer_request, response_choice, current_turn)
+            infer_request.messages = [infer_request.messages[0], infer_request.messages[-1]]
+            return ret
+
+    seed = 5007  # the shortest path is 5 moves
+    scheduler = LastObservation(ScriptedEngine(tokenizer, bfs_policy), 10, tokenizer=tokenizer, gym_env='frozen_lake')
+    (t,) = rollout(scheduler, requests([seed]))
+    assert t.rollout_infos['total_reward'] == 1.0 and t.num_turns == 5 and len(t.segments) == 5
+    assert len(t.request.messages) == 3 and len(t.messages) == 2 + 2 * 5 - 1  # the model's view short, the record whole
+    assert [m['content'] for m in t.messages if m['role'] == 'assistant'] == [
+        f'<action>{m}</action>' for m in shortest_path(generate_random_map(seed=seed))]
+    assert [m['content'] for m in t.messages if m['role'] == 'user'][0] == t.segments[0].messages[1]['content']
+    reward_funcs['replies'] = lambda messages: float(sum(m['role'] == 'assistant' for m in messages))
+    assert grpo.reward_columns([t], ['replies'], use_gym_env=True).tolist() == [[5.0, 1.0]]  # the reward sees all five replies, not the last view's one
 
 
 def test_bad_schedulers_are_refused_in_one_line(tokenizer):
@@ -735,6 +796,20 @@ def spread(rewards, group_size, valid=None):
     return grpo.with_spread(rewards, group_size, valid).nonzero().flatten().tolist()
 
 
+def record(sampled=1, reward=0.0, stop='done', reply='hmm', **infos):
+    """A finished trajectory as the scheduler records it: a 2-token prompt, `sampled` sampled tokens."""
+    messages = [{'role': 'user', 'content': 'x'}, {'role': 'assistant', 'content': reply}]
+    segment = Segment([1, 2] + [3] * sampled, [0, 0] + [1] * sampled, [0.0] * (2 + sampled), [0, 0] + [1] * sampled)
+    return Trajectory(RolloutInferRequest(messages), [segment], stop_reason=stop, num_turns=1, messages=messages,
+                      rollout_infos={'total_reward': reward, **infos})
+
+
+def loss(per_token, mask, loss_type='bnpo', denominator=None, trajectory_tokens=None):
+    """grpo.aggregate with the defaults of one micro-batch that is the whole batch."""
+    tokens = mask.sum(1, keepdim=True).float() if trajectory_tokens is None else trajectory_tokens
+    return grpo.aggregate(per_token, mask, tokens, loss_type, mask.sum() if denominator is None else denominator)
+
+
 def test_group_advantages_by_hand():
     adv = grpo.group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0]), group_size=3, eps=0.0)
     # group 1: mean 1/3, sample std sqrt(((2/3)^2 + 2 (1/3)^2) / 2) = sqrt(1/3)
@@ -742,42 +817,43 @@ def test_group_advantages_by_hand():
     assert torch.allclose(adv[:3], torch.tensor([(2 / 3) / s, -(1 / 3) / s, -(1 / 3) / s]))
     assert torch.allclose(adv[3:], torch.tensor([-(2 / 3) / s, (1 / 3) / s, (1 / 3) / s]))
     assert torch.equal(grpo.group_advantages(torch.tensor([0.5, 0.5]), 2), torch.zeros(2))  # no spread
-    # only groups with spread are trained on; a zero-advantage member of such a group stays
     assert spread(torch.tensor([0.0, 0.5, 1.0, 1.0, 1.0, 1.0, 0.2, 0.2, 0.3]), 3) == [0, 1, 2, 6, 7, 8]
     assert spread(torch.tensor([1.0, 1.0]), 2) == []
 
 
-def test_grpo_loss_by_hand():
+def test_token_loss_by_hand():
     mask = torch.tensor([[0, 1, 1, 1]])
     old = torch.zeros(1, 4)
     logp = torch.log(torch.tensor([[9.0, 1.5, 1.1, 0.5]]))  # ratios: (masked), 1.5, 1.1, 0.5
-    # A = +1: min(r, clip(r, 0.8, 1.2)) = 1.2, 1.1, 0.5 -> loss = -(1.2 + 1.1 + 0.5) / 3
-    loss, stats = grpo.grpo_loss(logp, old, torch.tensor([1.0]), mask, epsilon=0.2)
-    assert loss.item() == pytest.approx(-(1.2 + 1.1 + 0.5) / 3)
-    assert stats['clip_ratio'] == pytest.approx(2 / 3)
-    # A = -1: min(-r, -clip(r)) = -1.5, -1.1, -0.8 -> loss = (1.5 + 1.1 + 0.8) / 3
-    loss, _ = grpo.grpo_loss(logp, old, torch.tensor([-1.0]), mask, epsilon=0.2)
-    assert loss.item() == pytest.approx((1.5 + 1.1 + 0.8) / 3)
+    # A = +1: min(r, clip(r, 0.8, 1.2)) = 1.2, 1.1, 0.5 -> loss = -(1.2 + 1.1 + 0.5) / 3; the clip acted on 1.5 only
+    per_token, _, clipped = grpo.token_loss(logp, old, torch.tensor([1.0]), mask, epsilon=0.2)
+    assert loss(per_token, mask).item() == pytest.approx(-(1.2 + 1.1 + 0.5) / 3)
+    assert clipped[mask.bool()].tolist() == [True, False, False]
+    # A = -1: min(-r, -clip(r)) = -1.5, -1.1, -0.8 -> loss = (1.5 + 1.1 + 0.8) / 3; the clip acted on 0.5 only
+    per_token, _, clipped = grpo.token_loss(logp, old, torch.tensor([-1.0]), mask, epsilon=0.2)
+    assert loss(per_token, mask).item() == pytest.approx((1.5 + 1.1 + 0.8) / 3)
+    assert clipped[mask.bool()].tolist() == [False, False, True]
     # epsilon_high widens only the upper side: clip at 1.3 -> 1.3, 1.1, 0.5
-    loss, _ = grpo.grpo_loss(logp, old, torch.tensor([1.0]), mask, epsilon=0.2, epsilon_high=0.3)
-    assert loss.item() == pytest.approx(-(1.3 + 1.1 + 0.5) / 3)
+    per_token, _, _ = grpo.token_loss(logp, old, torch.tensor([1.0]), mask, epsilon=0.2, epsilon_high=0.3)
+    assert loss(per_token, mask).item() == pytest.approx(-(1.3 + 1.1 + 0.5) / 3)
     # KL (k3) with ratio 1: logp = old = 0, ref = log 2 on one token -> 2 - log 2 - 1
     ref = torch.tensor([[0.0, 0.0, 0.0, 0.6931471805599453]])
-    loss, stats = grpo.grpo_loss(torch.zeros(1, 4), old, torch.tensor([0.0]), mask, beta=0.5, ref_logprobs=ref)
-    assert stats['kl'] == pytest.approx((1 - 0.6931471805599453) / 3)
-    assert loss.item() == pytest.approx(0.5 * (1 - 0.6931471805599453) / 3)
+    per_token, kl, _ = grpo.token_loss(torch.zeros(1, 4), old, torch.tensor([0.0]), mask, beta=0.5, ref_logprobs=ref)
+    assert kl[0].tolist() == pytest.approx([0.0, 0.0, 0.0, 1 - 0.6931471805599453])
+    assert loss(per_token, mask).item() == pytest.approx(0.5 * (1 - 0.6931471805599453) / 3)
     # a masked token contributes nothing, whatever its value
     changed = logp.clone()
     changed[0, 0] = 100.0
-    assert grpo.grpo_loss(changed, old, torch.tensor([1.0]), mask)[0] == grpo.grpo_loss(logp, old, torch.tensor([1.0]), mask)[0]
+    assert loss(grpo.token_loss(changed, old, torch.tensor([1.0]), mask)[0], mask) == loss(
+        grpo.token_loss(logp, old, torch.tensor([1.0]), mask)[0], mask)
 
 
 def test_gradient_points_the_right_way():
     logits = torch.zeros(2, requires_grad=True)  # a 2-action policy; action 0 sampled
     logp = torch.log_softmax(logits, 0)[0].view(1, 1)
     for adv, sign in ((1.0, 1), (-1.0, -1)):
-        loss, _ = grpo.grpo_loss(logp, logp.detach(), torch.tensor([adv]), torch.ones(1, 1))
-        (grad,) = torch.autograd.grad(loss, logits, retain_graph=True)
+        per_token, _, _ = grpo.token_loss(logp, logp.detach(), torch.tensor([adv]), torch.ones(1, 1))
+        (grad,) = torch.autograd.grad(loss(per_token, torch.ones(1, 1)), logits, retain_graph=True)
         assert sign * grad[0] < 0  # gradient descent raises P(action 0) exactly when A > 0
 
 
@@ -793,19 +869,68 @@ def test_group_advantages_leave_errored_trajectories_out():
 
 
 def test_errored_trajectories_are_never_trained_on():
-    def trajectory(reply, reward, stop):
-        messages = [{'role': 'user', 'content': 'x'}, {'role': 'assistant', 'content': reply}]
-        return Trajectory(RolloutInferRequest(messages), [Segment([1, 2], [0, 1], [0.0, 0.0], [0, 1])], stop_reason=stop,
-                          rollout_infos={'total_reward': reward})
     # the errored member still says '<action>up</action>' and would earn the format reward
-    group = [trajectory('<action>up</action>', 1.0, 'done'), trajectory('hmm', 0.0, 'done'),
-             trajectory('<action>up</action>', 0.0, 'error')]
+    group = [record(reward=1.0, reply='<action>up</action>'), record(), record(stop='error', reply='<action>up</action>')]
     scores = grpo.score(group, ['format'], [0.5, 1.0], use_gym_env=True, group_size=3, beta=0.0)
     adv = scores.advantages
-    assert scores.train == [0, 1] and adv[2] == 0 and adv[0] > 0 > adv[1]
-    flat = [trajectory('hmm', 0.0, 'done'), trajectory('hmm', 0.0, 'done'), trajectory('up', 0.0, 'error')]
-    assert grpo.score(flat, [], [1.0], use_gym_env=True, group_size=3, beta=0.0).train == []
-    assert grpo.score(flat, [], [1.0], use_gym_env=True, group_size=3, beta=0.1).train == [0, 1]  # the KL term needs them
+    assert scores.trained == [0, 1] and adv[2] == 0 and adv[0] > 0 > adv[1] and scores.columns[2].tolist() == [0, 0]
+    flat = [record(), record(), record(stop='error', reply='up')]
+    assert grpo.score(flat, [], [1.0], use_gym_env=True, group_size=3, beta=0.0).trained == []
+    assert grpo.score(flat, [], [1.0], use_gym_env=True, group_size=3, beta=0.1).trained == [0, 1]  # the KL term needs them
+
+
+def test_an_env_whose_reset_raises_scores_zero_and_trains_nothing(tokenizer):
+    class FailingReset(frozen_lake.FrozenLakeEnv):
+        async def reset(self, config):
+            if self.env_config['seed'] == 1:
+                raise OSError('no map today')
+            return await super().reset(config)
+    envs['failing_reset'] = FailingReset
+    rows = [{'messages': [{'role': 'user', 'content': '<placeholder>'}], 'env_config': {'seed': s, 'name': 'failing_reset'}}
+            for s in (0, 1)]
+    trajectories = rollout(gym(tokenizer, bfs_policy), requests_for(rows, 2))
+    reward_funcs['replies'] = lambda messages: float(next(m for m in messages if m['role'] == 'assistant') != {})
+    scores = grpo.score(trajectories, ['replies'], [0.5, 1.0], use_gym_env=True, group_size=2, beta=0.1)
+    assert [t.stop_reason for t in trajectories] == ['done', 'done', 'error', 'error']
+    assert scores.columns.tolist() == [[1.0, 1.0]] * 2 + [[0.0, 0.0]] * 2 and scores.trained == [0, 1]
+
+
+def test_the_normalisers_count_the_trajectories_that_do_not_train():
+    a = 0.5 / (0.5 ** 0.5 + 1e-4)  # the advantages of rewards 1 and 0 in a group of two: +-a
+    batch = [record(3, 1.0), record(1, 0.0),  # a winner and a loser: trained, A = +a and -a
+             record(2, 0.5), record(2, 0.5),  # no spread, A = 0: not computed, but counted
+             record(4, 1.0), record(5, 0.0, stop='error'),  # one valid member, A = 0; the errored one counts nowhere
+             record(1, 1.0), record(6, 0.0, stop='length')]  # +a; --overlong_filter: the cut one leaves the loss
+    advantages = torch.tensor([[a], [-a], [0.0], [0.0], [0.0], [0.0], [a], [-a]])
+    valid = torch.tensor([True] * 5 + [False] + [True] * 2)
+    in_loss = valid & torch.tensor([True] * 7 + [False])
+    scores = grpo.Scores(None, None, advantages[:, 0], advantages, valid, in_loss, trained=[0, 1, 6])
+    counts = grpo.count(batch, scores)
+    # bnpo/dapo: the tokens of every trajectory in the loss, 3 + 1 + 2 + 2 + 4 + 1; grpo: the 7 valid trajectories
+    assert (counts.tokens, counts.trajectories, counts.sampled, counts.trained) == (13.0, 7.0, 19.0, 3.0)
+    batches = grpo.micro_batches([batch[i] for i in scores.trained], advantages[scores.trained], size=8, pad_id=0)
+
+    def total(loss_type):  # ratio 1: loss_t = -A
+        return sum(grpo.aggregate(-b.advantages, b.loss_mask, b.trajectory_tokens, loss_type,
+                                  counts.denominator(loss_type, budget=8 * 10 * 16)) for b in batches).item()
+    assert total('bnpo') == total('dapo') == pytest.approx(-(3 * a - 1 * a + 1 * a) / 13)
+    assert total('grpo') == pytest.approx(-(a - a + a) / 7)  # each trajectory's mean, / every valid trajectory
+    assert total('dr_grpo') == pytest.approx(-(3 * a - 1 * a + 1 * a) / 1280)  # / 8 trajectories x 10 turns x 16
+
+
+def test_gigpo_trains_walks_that_differ_where_the_episodes_do_not():
+    # both walks reach G from the same start, one in 2 moves and one in 3: equal episode rewards, so no
+    # episode-level spread, but from cell (0, 0) their discounted returns differ (0.95 against 0.9025)
+    def walk(states, step_rewards):
+        t = record(len(states), sum(step_rewards), states=states, step_rewards=step_rewards)
+        t.num_turns, t.segments[0].turns = len(states), [0, 0] + list(range(1, len(states) + 1))
+        return t
+    group = [walk([[0, 0], [0, 1]], [0.0, 1.0]), walk([[0, 0], [1, 0], [1, 1]], [0.0, 0.0, 1.0])]
+    assert grpo.step_advantages(group, 2, 0.95, 'none')[:, 0].tolist() == pytest.approx([0.95 - 0.92625, 0.9025 - 0.92625])
+    plain = grpo.score(group, [], [1.0], use_gym_env=True, group_size=2, beta=0.0)
+    gigpo = grpo.score(group, [], [1.0], use_gym_env=True, group_size=2, beta=0.0, estimator='gigpo')
+    assert plain.trained == [] and gigpo.trained == [0, 1]
+    assert gigpo.turn_advantages[0, 0] > 0 > gigpo.turn_advantages[1, 0]  # the shorter way from (0, 0) is better
 
 
 # ---------------------------------------------------------------- the GRPO variants, each by hand
@@ -814,14 +939,14 @@ def test_loss_types_by_hand():
     mask = torch.tensor([[0, 1, 1, 1], [0, 1, 0, 0]])  # 3 and 1 sampled tokens
     logp = torch.zeros(2, 4)  # ratio 1 everywhere: loss_t = -A
     adv = torch.tensor([1.0, -1.0])
+    counts = grpo.Counts(tokens=4, trajectories=2, sampled=4, trained=2)
     expected = {'bnpo': (-3 + 1) / 4, 'dapo': (-3 + 1) / 4, 'grpo': (-1 + 1) / 2, 'dr_grpo': (-3 + 1) / (2 * 5)}
+    tokens = mask.sum(1, keepdim=True).float()
     for loss_type, value in expected.items():
-        weights, denominator = grpo.normaliser(mask, loss_type, 2, 4, max_sampled=5)
-        loss, _ = grpo.grpo_loss(logp, logp, adv, mask, denominator=denominator, token_weights=weights)
-        assert loss.item() == pytest.approx(value), loss_type
-        halves = [grpo.grpo_loss(logp[i:i + 1], logp[i:i + 1], adv[i:i + 1], mask[i:i + 1], denominator=d,
-                                 token_weights=w)[0] for i in (0, 1) for w, d in [grpo.normaliser(
-                                     mask[i:i + 1], loss_type, 2, 4, max_sampled=5)]]
+        per_token = grpo.token_loss(logp, logp, adv, mask)[0]
+        d = counts.denominator(loss_type, budget=2 * 5)
+        assert grpo.aggregate(per_token, mask, tokens, loss_type, d).item() == pytest.approx(value), loss_type
+        halves = [grpo.aggregate(per_token[i:i + 1], mask[i:i + 1], tokens[i:i + 1], loss_type, d) for i in (0, 1)]
         assert sum(halves).item() == pytest.approx(value), loss_type  # micro-batches add up to the batch
 
 
@@ -832,10 +957,9 @@ def test_the_defaults_reproduce_the_plain_loss():
     ratio = torch.exp(logp - old)
     per_token = -torch.min(ratio * adv[:, None], ratio.clamp(0.8, 1.2) * adv[:, None])
     delta = ref - logp
-    plain = ((per_token + 0.1 * (torch.exp(delta) - delta - 1)) * mask.float()).sum() / 11
-    weights, denominator = grpo.normaliser(mask, config.Args().loss_type, 3, 11, max_sampled=160)
-    got = grpo.grpo_loss(logp, old, adv, mask, beta=0.1, ref_logprobs=ref, denominator=denominator, token_weights=weights)[0]
-    assert torch.allclose(got, plain, rtol=1e-6, atol=0)  # the same sum, perhaps in another order
+    plain = ((per_token + 0.1 * (torch.exp(delta) - delta - 1)) * mask.float()).sum() / mask.sum()
+    got = grpo.token_loss(logp, old, adv, mask, beta=0.1, ref_logprobs=ref)[0]
+    assert torch.allclose(loss(got, mask, config.Args().loss_type), plain, rtol=1e-6, atol=0)
 
 
 def test_advantage_estimators_and_scales_by_hand():
@@ -849,51 +973,65 @@ def test_advantage_estimators_and_scales_by_hand():
                           torch.tensor([2 / 3, -1 / 3, -1 / 3, 1 / 3, 1 / 3, -2 / 3]) / b)
     assert torch.allclose(grpo.group_advantages(rewards, 3, scale='none'),
                           torch.tensor([2 / 3, -1 / 3, -1 / 3, 1 / 3, 1 / 3, -2 / 3]))
+    args = config.parse_args(['--advantage_estimator', 'rloo'])
+    config.check_args(args)
+    assert args.scale_rewards == 'none'  # rloo's scale, as ms-swift's, unless --scale_rewards says otherwise
 
 
 def test_sequence_level_ratio_by_hand():
     mask = torch.tensor([[1, 1]])
     old = torch.zeros(1, 2)
     logp = torch.log(torch.tensor([[1.5, 1.0]]))
-    token, _ = grpo.grpo_loss(logp, old, torch.tensor([1.0]), mask)  # min(1.5, 1.2) and 1.0
+    token = loss(grpo.token_loss(logp, old, torch.tensor([1.0]), mask)[0], mask)  # min(1.5, 1.2) and 1.0
     assert token.item() == pytest.approx(-(1.2 + 1.0) / 2)
-    sequence, _ = grpo.grpo_loss(logp, old, torch.tensor([1.0]), mask, level='sequence')  # sqrt(1.5) -> 1.2
-    assert sequence.item() == pytest.approx(-1.2)
-    sequence, _ = grpo.grpo_loss(logp, old, torch.tensor([1.0]), mask, epsilon=0.3, level='sequence')
-    assert sequence.item() == pytest.approx(-(1.5 ** 0.5))
+    sequence = grpo.token_loss(logp, old, torch.tensor([1.0]), mask, level='sequence')[0]  # sqrt(1.5) -> 1.2
+    assert loss(sequence, mask).item() == pytest.approx(-1.2)
+    sequence = grpo.token_loss(logp, old, torch.tensor([1.0]), mask, epsilon=0.3, level='sequence')[0]
+    assert loss(sequence, mask).item() == pytest.approx(-(1.5 ** 0.5))
+    two = torch.log(torch.tensor([[1.5, 1.0], [1.0, 1.0]]))  # one ratio per row: a segment, not a trajectory
+    sequence = grpo.token_loss(two, torch.zeros(2, 2), torch.tensor([1.0, 1.0]), torch.ones(2, 2), epsilon=0.3,
+                               level='sequence')[0]
+    assert sequence[:, 0].tolist() == pytest.approx([-(1.5 ** 0.5), -1.0])
 
 
 def test_rollout_importance_weights_by_hand():
     mask = torch.tensor([[0, 1, 1]])
     trainer = torch.log(torch.tensor([[1.0, 0.5, 0.5]]))
     engine = torch.log(torch.tensor([[1.0, 0.1, 0.5]]))  # token ratios: 5 and 1; their geometric mean sqrt(5)
-    expected = {'token_truncate': ([2.0, 1.0], 0.5), 'token_mask': ([0.0, 1.0], 0.5),
-                'sequence_truncate': ([2.0, 2.0], 1.0), 'sequence_mask': ([0.0, 0.0], 1.0)}
-    for mode, (weights, share) in expected.items():
+    expected = {'token_truncate': ([2.0, 1.0], 1), 'token_mask': ([0.0, 1.0], 1),
+                'sequence_truncate': ([2.0, 2.0], 2), 'sequence_mask': ([0.0, 0.0], 2)}
+    for mode, (weights, over) in expected.items():
         w, clipped = grpo.rollout_is_weights(trainer, engine, mask, mode, threshold=2.0)
-        assert torch.allclose(w[0, 1:], torch.tensor(weights)) and clipped == share, mode
+        assert torch.allclose(w[0, 1:], torch.tensor(weights)) and clipped.sum() == over, mode
     w, _ = grpo.rollout_is_weights(trainer, engine, mask, 'token_truncate', threshold=2.0)
-    loss, _ = grpo.grpo_loss(trainer, trainer, torch.tensor([1.0]), mask, is_weights=w)
-    assert loss.item() == pytest.approx(-(2.0 + 1.0) / 2)
+    per_token, _, _ = grpo.token_loss(trainer, trainer, torch.tensor([1.0]), mask, is_weights=w)
+    assert loss(per_token, mask).item() == pytest.approx(-(2.0 + 1.0) / 2)
+    # the weight corrects the surrogate only: the KL term is the same with or without it
+    ref = trainer - 0.3
+    with_w = grpo.token_loss(trainer, trainer, torch.tensor([0.0]), mask, beta=1.0, ref_logprobs=ref, is_weights=w)[0]
+    without = grpo.token_loss(trainer, trainer, torch.tensor([0.0]), mask, beta=1.0, ref_logprobs=ref)[0]
+    assert torch.equal(with_w, without)
 
 
 def test_overlong_trajectories_are_left_out_of_the_loss_not_the_baseline():
-    def trajectory(reward, stop):
-        return Trajectory(RolloutInferRequest([]), [Segment([1, 2], [0, 1], [0.0, 0.0], [0, 1])], stop_reason=stop,
-                          rollout_infos={'total_reward': reward})
-    group = [trajectory(1.0, 'done'), trajectory(0.0, 'length'), trajectory(0.0, 'max_turns')]
+    group = [record(1, 1.0), record(1, 0.0, stop='length'), record(1, 0.0, stop='max_turns')]
     filtered = grpo.score(group, [], [1.0], use_gym_env=True, group_size=3, beta=0.0, overlong_filter=True)
     plain = grpo.score(group, [], [1.0], use_gym_env=True, group_size=3, beta=0.0)
-    assert (filtered.train, plain.train) == ([0, 2], [0, 1, 2]) and torch.equal(filtered.advantages, plain.advantages)
+    assert (filtered.trained, plain.trained) == ([0, 2], [0, 1, 2]) and torch.equal(filtered.advantages, plain.advantages)
+    assert filtered.in_loss.tolist() == [True, False, True]
 
 
 class RowRollouts:
-    """A rollout source whose rewards depend on the row: seeds 6 and 7 have spread, the others none."""
+    """A rollout source whose rewards depend on the row: seeds in `informative` have spread, the others none."""
+
+    def __init__(self, informative=(6, 7)):
+        self.informative, self.rows = informative, []
 
     def rollout(self, rows, group_size, temperature):
+        self.rows += [row['env_config']['seed'] for row in rows]
         return [Trajectory(RolloutInferRequest([], {'env_config': row['env_config']}),
                            [Segment([1, 2], [0, 1], [0.0, 0.0], [0, 1])], stop_reason='done',
-                           rollout_infos={'total_reward': float(row['env_config']['seed'] >= 6 and k % 2)})
+                           rollout_infos={'total_reward': float(row['env_config']['seed'] in self.informative and k % 2)})
                 for row in rows for k in range(group_size)]
 
 
@@ -907,6 +1045,21 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups():
     assert rounds == 0 and len(plain) == 4  # off by default: the step's rows, whatever their spread
     args = config.Args(rows_per_step=2, num_generations=2, dynamic_sample=True, max_resample_times=0)
     assert train.play(RowRollouts(), rows, 1, args, [], [1.0])[1] == 0
+    args = config.Args(rows_per_step=4, num_generations=2, dynamic_sample=True, max_resample_times=2)
+    assert len(train.play(RowRollouts(informative=(7,)), rows, 1, args, [], [1.0])[0]) == 8  # too few: filled up
+
+
+def test_dynamic_sampling_processes_draw_different_fresh_rows():
+    import train
+    rows = [{'messages': [], 'env_config': {'seed': s}} for s in range(8)]
+    args = config.Args(rows_per_step=2, num_generations=2, dynamic_sample=True, max_resample_times=10)
+    for step in range(1, 6):  # one informative row: each process looks for it, in rows of its own
+        sources = [RowRollouts(informative=(7,)), RowRollouts(informative=(7,))]
+        for rank, source in enumerate(sources):
+            train.play(source, rows, step, args, [], [1.0], rank=rank, world=2)
+        first = random.Random(args.seed * 100_003 + step).sample(range(8), 2)  # the step's own rows
+        fresh = [set(source.rows) - set(first) for source in sources]
+        assert not fresh[0] & fresh[1], (step, fresh)
 
 
 def gigpo_walks():
@@ -929,7 +1082,7 @@ def test_gigpo_step_advantages_by_hand():
     assert torch.allclose(step, torch.tensor([[0.6, 0.5], [-0.3, -0.5], [-0.3, 0.0]]))
     s = 0.27 ** 0.5  # the sample std of 0.9, 0, 0
     assert torch.allclose(grpo.step_advantages(group, 3, 0.9, 'group', eps=0.0)[:, 0], torch.tensor([0.6, -0.3, -0.3]) / s)
-    batches = grpo.micro_batches(group, step, size=3, pad_id=0, loss_type='bnpo', num_tokens=10, max_sampled=1)
+    batches = grpo.micro_batches(group, step, size=3, pad_id=0)
     by_length = sorted(group, key=lambda t: len(t.segments[0].token_ids))  # the order micro_batches takes
     for row, t in zip(batches[0].advantages, by_length):  # each sampled token takes its turn's advantage
         i, turns = group.index(t), torch.tensor(t.segments[0].turns)
@@ -943,6 +1096,16 @@ def test_gigpo_adds_the_step_level_to_the_group_advantages():
                         step_advantage_w=0.5, gamma=0.9)
     episode = torch.tensor([2 / 3, -1 / 3, -1 / 3])  # rewards 1, 0, 0
     assert torch.allclose(scores.advantages, episode) and torch.allclose(scores.turn_advantages, episode[:, None] + 0.5 * step)
+
+
+def test_zero_adv_groups_leave_errored_members_out(tmp_path):
+    group = [record(1, 1.0), record(1, 1.0), record(1, 0.0, stop='error')]  # the valid members agree
+    scores = grpo.score(group, [], [1.0], use_gym_env=True, group_size=3, beta=0.0)
+    stats = dict.fromkeys(['loss', 'kl', 'entropy', 'logprob_gap', 'rollout_s', 'train_s', 'sync_s'], 0.0)
+    log = logs.RunLog(str(tmp_path), None, ['gym'], 'frozen_lake')
+    log.step(1, [(group, scores, stats)], 3)
+    (line,) = (tmp_path / 'metrics.jsonl').read_text().splitlines()
+    assert json.loads(line)['zero_adv_groups'] == 1.0 and json.loads(line)['env_errors'] == 1
 
 
 # ---------------------------------------------------------------- the rollout server's routes, on a scripted engine
@@ -1148,12 +1311,13 @@ def test_token_logprobs_match_a_full_forward(tiny_model_dir):
     mask = torch.zeros(2, 12, dtype=torch.long)
     mask[0, 5:9] = mask[1, 3:12] = 1
     segments = [Segment(ids[i].tolist(), mask[i].tolist(), [0.0] * 12, mask[i].tolist()) for i in (0, 1)]
-    (batch,) = grpo.micro_batches([Trajectory(RolloutInferRequest([]), segments)], torch.zeros(1), size=2, pad_id=0,
-                                  loss_type='bnpo', num_tokens=1, max_sampled=1)
-    got = grpo.token_logprobs(model, batch, temperature=0.7, chunk=3)
-    full = (model(ids).logits[:, :-1] / 0.7).log_softmax(-1).gather(-1, ids[:, 1:, None])[..., 0]
-    assert torch.allclose(got[:, 1:][mask[:, 1:].bool()], full[mask[:, 1:].bool()], atol=1e-5)
-    assert (got[mask == 0] == 0).all()
+    (batch,) = grpo.micro_batches([Trajectory(RolloutInferRequest([]), segments)], torch.zeros(1), size=2, pad_id=0)
+    got, entropies = grpo.token_logprobs(model, batch, temperature=0.7, chunk=3)
+    full = (model(ids).logits[:, :-1] / 0.7).log_softmax(-1)  # (2, 11, V)
+    picked = mask[:, 1:].bool()
+    assert torch.allclose(got[:, 1:][picked], full.gather(-1, ids[:, 1:, None])[..., 0][picked], atol=1e-5)
+    assert torch.allclose(entropies[:, 1:][picked], -(full.exp() * full).sum(-1)[picked], atol=1e-4)
+    assert (got[mask == 0] == 0).all() and (entropies[mask == 0] == 0).all() and not entropies.requires_grad
 
 
 def shared_prompt_groups():
@@ -1185,15 +1349,13 @@ def logprobs_and_gradients(model, trajectories, share_prompt, size):
     """Token logprobs per segment (keyed by its ids) and the gradients of a GRPO loss with KL."""
     model.zero_grad()
     advantages = torch.linspace(-1, 1, len(trajectories))
-    batches = grpo.micro_batches(trajectories, advantages, size=size, pad_id=0, loss_type='grpo', num_tokens=1,
-                                 max_sampled=1, share_prompt=share_prompt)
+    batches = grpo.micro_batches(trajectories, advantages, size=size, pad_id=0, share_prompt=share_prompt)
     found = {}
     for b in batches:
-        logprobs = grpo.token_logprobs(model, b, temperature=0.7)
-        loss, _ = grpo.grpo_loss(logprobs, logprobs.detach() + 0.05, b.advantages, b.loss_mask, beta=0.1,
-                                 ref_logprobs=logprobs.detach() - 0.1, token_weights=b.token_weights,
-                                 denominator=b.denominator)
-        loss.backward()
+        logprobs, _ = grpo.token_logprobs(model, b, temperature=0.7)
+        per_token, _, _ = grpo.token_loss(logprobs, logprobs.detach() + 0.05, b.advantages, b.loss_mask, beta=0.1,
+                                          ref_logprobs=logprobs.detach() - 0.1)
+        grpo.aggregate(per_token, b.loss_mask, b.trajectory_tokens, 'grpo', len(trajectories)).backward()
         for row, mask, lp in zip(b.targets.tolist(), b.loss_mask, logprobs.detach()):
             found[tuple(row[:len(mask) - list(reversed(mask.tolist())).index(1)])] = lp[mask.bool()]
     return found, {name: p.grad.clone() for name, p in model.named_parameters()}, batches
@@ -1280,8 +1442,7 @@ def in_fresh_process(fn, *args):
 
 
 def one_batch(trajectory):
-    (batch,) = grpo.micro_batches([trajectory], torch.zeros(1), size=8, pad_id=0, loss_type='bnpo', num_tokens=1,
-                                  max_sampled=1)
+    (batch,) = grpo.micro_batches([trajectory], torch.zeros(1), size=8, pad_id=0)
     return batch
 
 
@@ -1290,14 +1451,14 @@ def max_gap(model, trajectories, temperature):
     gaps = []
     for t in trajectories:
         batch = one_batch(t)
-        logprobs = grpo.token_logprobs(model, batch, temperature)
+        logprobs, _ = grpo.token_logprobs(model, batch, temperature)
         gaps.append(((logprobs - batch.engine_logprobs).abs()[batch.loss_mask.bool()]).max().item())
     return max(gaps)
 
 
 def nudge(model, trajectory):
     """One large SGD step that raises the logprob of a trajectory's sampled tokens."""
-    (-grpo.token_logprobs(model, one_batch(trajectory), 0.8).sum()).backward()
+    (-grpo.token_logprobs(model, one_batch(trajectory), 0.8)[0].sum()).backward()
     torch.optim.SGD(model.parameters(), lr=5.0).step()
 
 
@@ -1354,7 +1515,7 @@ def test_schedulers_train_end_to_end(tmp_path, tiny_model_dir, scheduler):
     assert len(steps) == 2 and all(m['logprob_gap'] < 1e-3 for m in steps)
     games = [json.loads(line) for line in open(tmp_path / 'out' / 'completions.jsonl')]
     if scheduler == 'window_scheduler':  # every game ran its 4 turns: turns 1-3, then turn 4 in its window
-        assert all(len(g['segments']) == 2 and g['segments'][-1] == g['messages'] for g in games)
+        assert all(len(g['segments']) == 2 and len(g['segments'][-1]) < len(g['messages']) == 2 + 2 * 4 - 1 for g in games)
     if scheduler == 'hint_scheduler':
         assert any(HintScheduler.hint in m['content'] for g in games for m in g['messages'])
 
@@ -1527,6 +1688,9 @@ def test_train_lora_end_to_end_resume_evaluate_and_merge(tmp_path, tiny_model_di
     (tmp_path / 'warm').mkdir()  # a warm start alone is kept as checkpoint-0
     run_train(tmp_path / 'warm', tiny_model_dir, *flags, '--warm_start_steps', '1', '--max_steps', '0', '--eval_size', '0')
     assert (tmp_path / 'warm' / 'out' / 'checkpoint-0' / 'adapter_model.safetensors').exists()
+    out = run_train(tmp_path / 'warm', tiny_model_dir, *flags, '--warm_start_steps', '1', '--max_steps', '1',
+                    '--eval_size', '0', '--resume', 'true')  # GRPO after the warm start: not the warm start again
+    assert 'resumed from' in out and 'warm start' not in out and len(step_records(tmp_path / 'warm' / 'out')) == 1
     # docs/speed-and-scaling.md's merge: an ordinary model folder that computes what the adapter model computes
     AutoPeftModelForCausalLM.from_pretrained(folder / 'checkpoint-3').merge_and_unload().save_pretrained(tmp_path / 'merged')
     ids = torch.randint(0, 1000, (1, 10))
@@ -1535,39 +1699,125 @@ def test_train_lora_end_to_end_resume_evaluate_and_merge(tmp_path, tiny_model_di
     assert torch.allclose(merged, adapted, atol=1e-5)
 
 
-def one_fixed_step(model_dir, out):
-    """One optimizer step on a fixed batch of 8 trajectories, shared out over the processes that
-    torchrun started (or taken whole by one process); rank 0 saves the weights to `out`."""
+COMPARED = ('model.layers.', 'model.norm.')  # and the embedding rows the fixed batch uses
+
+
+def fixed_steps(model_dir, out):
+    """One optimizer step per --loss_type, with and without a process that has nothing to train,
+    on a fixed batch of 8 trajectories (one of which errs), shared out over the processes that
+    torchrun started (or taken whole by one process). Rank 0 saves, per case, the parameters the
+    step moved (COMPARED) and the logged loss."""
     import train
     from transformers import AutoModelForCausalLM
-    rank, world = train.start_processes(config.Args(rows_per_step=8))
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    rank, world = train.start_processes(config.Args(rows_per_step=8, device='cpu'))
     generator = torch.Generator().manual_seed(0)
     trajectories = []
     for n in range(8):  # prompts of 6..13 tokens, replies of 2..9
         ids = torch.randint(0, 1000, (15 + n,), generator=generator).tolist()
         mask = [0] * (6 + n) + [1] * (8 - n // 2) + [0] * (1 + n // 2)
-        trajectories.append(Trajectory(RolloutInferRequest([]), [Segment(ids, mask, [0.0] * len(ids), mask)]))
+        trajectories.append(Trajectory(RolloutInferRequest([]), [Segment(ids, mask, [0.0] * len(ids), mask)], num_turns=1,
+                                       stop_reason='error' if n == 2 else 'done'))
     mine = list(range(rank, 8, world))
-    args = config.Args(loss_type='dapo', micro_batch_size=2, gradient_checkpointing=False, max_grad_norm=1e9)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # (Adam's first step is near sign(g): too touchy to compare)
-    train.train_step(model, None, optimizer, [trajectories[i] for i in mine], torch.linspace(-1, 1, 8)[mine], args, 0)
+    results = {}
+    for loss_type in ('bnpo', 'dapo', 'grpo', 'dr_grpo'):
+        for starved in (False, True):  # starved: trajectories 1, 3, 5, 7 (the second process's) have A = 0
+            advantages = torch.linspace(-1, 1, 8) * torch.tensor([1.0, 0.0] * 4 if starved else [1.0] * 8)
+            valid = torch.tensor([n != 2 for n in range(8)])
+            scores = grpo.Scores(None, None, advantages[mine], advantages[mine, None], valid[mine], valid[mine],
+                                 [k for k, i in enumerate(mine) if valid[i] and advantages[i] != 0])
+            model = AutoModelForCausalLM.from_pretrained(model_dir)
+            args = config.Args(loss_type=loss_type, micro_batch_size=2, gradient_checkpointing=False, max_grad_norm=1e9,
+                               rows_per_step=8, num_generations=1, max_turns=1, max_completion_length=8)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # (Adam's first step is near sign(g): too touchy)
+            stats = train.train_step(model, None, optimizer, [trajectories[i] for i in mine], scores, args, 0)
+            moved = {k: v.clone() for k, v in model.state_dict().items() if k.startswith(COMPARED)}
+            moved['embed'] = model.state_dict()['model.embed_tokens.weight'][:1000].clone()
+            results[loss_type, starved] = moved, stats['loss']
     if rank == 0:
-        torch.save(model.state_dict(), out)
+        torch.save(results, out)
 
 
 @slow
-def test_two_processes_take_the_same_step_as_one(tmp_path, tiny_model_dir):
+def test_processes_take_one_process_step_for_every_loss_type(tmp_path, tiny_model_dir):
     for command, out in (([sys.executable, 'test_all.py'], 'one.pt'),
                          ([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2', 'test_all.py'], 'two.pt')):
         run = subprocess.run(command + [tiny_model_dir, str(tmp_path / out)], cwd=HERE, capture_output=True, text=True,
-                             timeout=300)
+                             timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]
+    one, two = torch.load(tmp_path / 'one.pt'), torch.load(tmp_path / 'two.pt')
     from safetensors.torch import load_file
-    one, two, start = torch.load(tmp_path / 'one.pt'), torch.load(tmp_path / 'two.pt'), load_file(
-        f'{tiny_model_dir}/model.safetensors')
-    assert all(torch.allclose(one[k], two[k], atol=1e-6) for k in one)
-    assert any(not torch.equal(one[k], start[k]) for k in start)  # the step moved the weights
+    start = load_file(f'{tiny_model_dir}/model.safetensors')
+    for case, (weights, logged) in one.items():
+        assert all(torch.allclose(weights[k], two[case][0][k], atol=1e-6, rtol=0) for k in weights), case
+        assert logged == pytest.approx(two[case][1], rel=1e-5), case  # the loss each logs is the batch's
+        assert not torch.equal(weights['embed'], start['model.embed_tokens.weight'][:1000]), case  # the step moved it
+
+
+@slow
+def test_the_update_runs_where_the_model_is(tiny_model_dir):
+    """The accelerator path, on a CPU: the models on the `meta` device, where an op that meets a
+    CPU tensor raises as CUDA would (OnMeta); a number read from a meta tensor is 1."""
+    import torch.fx.experimental._config as fx_config
+    from torch.overrides import TorchFunctionMode
+    from transformers import AutoModelForCausalLM
+    import train
+
+    class OnMeta(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            tensors = [a for a in torch.utils._pytree.tree_flatten((args, kwargs or {}))[0] if isinstance(a, torch.Tensor)]
+            name = getattr(func, '__name__', str(func))
+            left = [t for t in tensors if t.device.type == 'cpu' and t.dim() > 0]  # CUDA takes CPU scalars and indices
+            if left and any(t.device.type == 'meta' for t in tensors) and name not in ('__getitem__', '__setitem__', 'to'):
+                raise RuntimeError(f'{name}: a CPU tensor {tuple(left[0].shape)} meets the model\'s device')
+            if name in ('item', 'tolist', '__bool__', '__float__') and tensors and tensors[0].device.type == 'meta':
+                return [1.0] * tensors[0].numel() if name == 'tolist' else True if name == '__bool__' else 1.0
+            return func(*args, **(kwargs or {}))
+
+    fx_config.meta_nonzero_assume_all_nonzero = True  # boolean-mask indexing on meta: assume every entry is picked
+    try:
+        trajectories = shared_prompt_groups()[:6]
+        valid = torch.ones(6, dtype=torch.bool)
+        scores = grpo.Scores(None, None, None, torch.linspace(-1, 1, 6)[:, None], valid, valid, [0, 1, 2, 4])
+        meta = torch.device('meta')
+        for tuner, ref_model in (('full', AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(meta)), ('lora', None)):
+            args = config.Args(tuner_type=tuner, beta=0.1, num_iterations=2, micro_batch_size=2, max_turns=2,
+                               rollout_importance_sampling_mode='token_truncate', lora_rank=2)
+            model = train.load_policy(tiny_model_dir, args, meta)
+            assert all(p.device == meta for p in model.parameters())
+            optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+            for share in (True, False):
+                with OnMeta():
+                    stats = train.train_step(model, ref_model, optimizer, trajectories, scores,
+                                             dataclasses.replace(args, share_prompt=share), 0)
+                assert stats['updated'] and stats['skipped'] == 0, (tuner, share)
+    finally:
+        fx_config.meta_nonzero_assume_all_nonzero = False
+
+
+@slow
+def test_the_warm_start_is_supervised_learning(tiny_model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import train
+    from scheduler import ExpertScheduler
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
+    rows = [{'messages': [], 'env_config': {'seed': s}} for s in range(4)]
+    args = config.Args(warm_start_steps=1, rows_per_step=2, num_generations=2, max_grad_norm=1e9, temperature=0.7)
+    stats = train.warm_start(model, torch.optim.SGD(model.parameters(), lr=0.0), rows, args, tokenizer)
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    # the same games, and the plain cross-entropy of their replies (temperature 1, a mean over reply tokens)
+    picked = random.Random(args.seed).sample(rows, 4)
+    games = rollout(ExpertScheduler(None, 10, tokenizer=tokenizer, gym_env='frozen_lake'), requests_for(picked, 1))
+    model.zero_grad()
+    logits, targets = [], []
+    for t in games:
+        (segment,) = t.segments
+        ids, mask = torch.tensor([segment.token_ids]), torch.tensor(segment.loss_mask[1:]).bool()
+        logits.append(model(ids).logits[0, :-1][mask])
+        targets.append(ids[0, 1:][mask])
+    nll = torch.nn.functional.cross_entropy(torch.cat(logits), torch.cat(targets))
+    nll.backward()
+    assert stats['logprob_gap'] == pytest.approx(nll.item(), rel=1e-5)  # the printed mean -logprob
+    assert all(torch.allclose(p.grad, grads[k], atol=1e-6) for k, p in model.named_parameters())
 
 
 @slow
@@ -1590,5 +1840,5 @@ def test_torchrun_training_end_to_end_and_resume(tmp_path, tiny_model_dir, engin
     assert (tmp_path / 'out' / 'latest').read_text() == 'checkpoint-3'
 
 
-if __name__ == '__main__':  # test_two_processes_take_the_same_step_as_one runs this, with and without torchrun
-    one_fixed_step(*sys.argv[1:])
+if __name__ == '__main__':  # test_processes_take_one_process_step_for_every_loss_type runs this, with and without torchrun
+    fixed_steps(*sys.argv[1:])

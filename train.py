@@ -38,9 +38,10 @@ from scheduler import ExpertScheduler, multi_turns
 
 # ---------------------------------------------------------------- models, rollouts, checkpoints
 
-def load_policy(path: str, args: Args):
-    """The model at `path`, a full model folder or a LoRA adapter folder (its base named in
-    adapter_config.json); with --tuner_type lora a full model gets fresh adapters (peft)."""
+def load_policy(path: str, args: Args, device: torch.device):
+    """The model at `path` on `device`, a full model folder or a LoRA adapter folder (its base
+    named in adapter_config.json); with --tuner_type lora a full model gets fresh adapters (peft).
+    The weights are fp32 whatever --torch_dtype says (train_step's `precision`)."""
     from transformers import AutoModelForCausalLM
     adapter = os.path.join(path, 'adapter_config.json')
     base = json.load(open(adapter))['base_model_name_or_path'] if os.path.exists(adapter) else path
@@ -50,14 +51,22 @@ def load_policy(path: str, args: Args):
     if os.path.exists(adapter) or args.tuner_type == 'lora':
         from peft import LoraConfig, PeftModel, get_peft_model
         if os.path.exists(adapter):
-            return PeftModel.from_pretrained(model, path, is_trainable=True)
-        target = args.target_modules[0] if args.target_modules == ['all-linear'] else args.target_modules
-        return get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, target_modules=target,
-                                                task_type='CAUSAL_LM'))
-    return model
+            model = PeftModel.from_pretrained(model, path, is_trainable=True)
+        else:
+            target = args.target_modules[0] if args.target_modules == ['all-linear'] else args.target_modules
+            model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
+                                                     target_modules=target, task_type='CAUSAL_LM'))
+    return model.to(device)
 
 
-def load_models(args: Args, rank: int = 0):
+def pick_device(choice: str) -> torch.device:
+    """--device auto: CUDA where it is present (under torchrun: this process's GPU), else the CPU."""
+    if choice == 'cuda' or (choice == 'auto' and torch.cuda.is_available()):  # (config.check_args checked it)
+        return torch.device('cuda', int(os.environ.get('LOCAL_RANK', 0)))
+    return torch.device('cpu')
+
+
+def load_models(args: Args, device: torch.device, rank: int = 0):
     """(tokenizer, model, reference model or None, optimizer, first step). On --resume the model and
     optimizer come from the checkpoint; the reference model is always the starting model (with
     LoRA: the same model with its adapters switched off, so None here)."""
@@ -69,12 +78,12 @@ def load_models(args: Args, rank: int = 0):
         if not os.path.exists(latest):
             raise UserError(f'--resume: no checkpoint in {args.output_dir}')
         path = os.path.join(args.output_dir, open(latest).read().strip())
-        state = torch.load(os.path.join(path, 'trainer_state.pt'))
+        state = torch.load(os.path.join(path, 'trainer_state.pt'), map_location='cpu')
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise UserError(f'--model {path}: cannot load: {str(e).splitlines()[0]}') from None
-    model = load_policy(path, args)
+    model = load_policy(path, args, device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     if rank == 0:
         print(f'model: {start} ({args.tuner_type}), trainable parameters: {sum(p.numel() for p in trainable):,} '
@@ -85,7 +94,9 @@ def load_models(args: Args, rank: int = 0):
         if rank == 0:
             print(f"resumed from {path} at step {state['step']}")
     lora = hasattr(model, 'peft_config')
-    ref_model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32).eval() if args.beta and not lora else None
+    ref_model = None
+    if args.beta and not lora:
+        ref_model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32).to(device).eval()
     return tokenizer, model, ref_model, optimizer, state['step'] if state else 0
 
 
@@ -99,7 +110,7 @@ def make_rollouts(args: Args, model, tokenizer, rank: int = 0):
         return rollouts
     engine = make_engine(args.engine, model.name_or_path, model, tokenizer, seed=args.seed + rank,
                          max_model_len=args.vllm_max_model_len, kv_cache_gib=args.vllm_kv_cache_gib,
-                         gpu_memory_utilization=args.vllm_gpu_memory_utilization)
+                         gpu_memory_utilization=args.vllm_gpu_memory_utilization, dtype=args.torch_dtype)
     scheduler = multi_turns[args.multi_turn_scheduler](engine, args.max_turns, tokenizer=tokenizer, gym_env=args.gym_env,
                                                        max_completion_length=args.max_completion_length,
                                                        max_model_len=args.vllm_max_model_len)
@@ -131,66 +142,113 @@ def save_checkpoint(model, tokenizer, optimizer, step: int, output_dir: str):
 
 # ---------------------------------------------------------------- the update
 
-def train_step(model, ref_model, optimizer, trajectories, advantages, args: Args, pad_id: int) -> dict:
-    """GRPO update(s) on the trajectories that train (grpo.trainable), advantages (n, T) per turn: the loss of
-    grpo.py on every micro-batch, summed gradients, one optimizer step per --num_iterations pass.
-    Returns loss, kl, clip ratio, grad norm, the share of sampled tokens whose rollout importance
-    weight was truncated or masked, and the engine/trainer logprob gap (measured in the first
-    pass, before the weights move); logprob_gap is None when no update was made."""
-    stats = {'loss': 0.0, 'kl': 0.0, 'clip_ratio': 0.0, 'is_clipped': 0.0, 'logprob_gap': None, 'grad_norm': 0.0,
-             'skipped': 0}
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    num_tokens = sum(sum(s.loss_mask) for t in trajectories for s in t.segments)
-    counts = torch.tensor([len(trajectories), num_tokens])
-    if world > 1:  # every process takes part in an update, or none does
-        dist.all_reduce(counts)
-    if not counts[0]:  # no update at all (a zero gradient would still move Adam along its momentum)
-        return stats
-    batches = grpo.micro_batches(trajectories, advantages, size=args.micro_batch_size, pad_id=pad_id,
-                                 loss_type=args.loss_type, max_sampled=args.max_turns * args.max_completion_length,
-                                 num_tokens=counts[1].item() if args.loss_type == 'dapo' else num_tokens,
-                                 share_prompt=args.share_prompt and can_share_prompt(model))
+def train_step(model, ref_model, optimizer, trajectories, scores: grpo.Scores, args: Args, pad_id: int) -> dict:
+    """README "The algorithm", steps 3-5, on this process's share of the step's trajectories:
+    1. count what the normalisers divide by, over every process (`grpo.Counts`);
+    2. logp_old (with --num_iterations > 1) and the KL anchor's logprobs, without gradients;
+    3. one pass over the micro-batches of the trajectories that train: per-token losses,
+       `grpo.aggregate`, backward; the gradients add up to the whole batch's;
+    4. add the gradients up over the processes, clip, one optimizer step; --num_iterations
+       passes in all. The first pass also measures the trajectories that do not train, so that
+       `entropy` and `logprob_gap` cover every valid sampled token.
+    Returns the step's stats; `updated` is False when no process had anything to train."""
+    device, world = model.device, dist.get_world_size() if dist.is_initialized() else 1
+    counts = grpo.Counts(*all_sum(torch.tensor(dataclasses.astuple(grpo.count(trajectories, scores)),
+                                               dtype=torch.float64, device=device), world).tolist())
+    budget = args.rows_per_step * args.num_generations * args.max_turns * args.max_completion_length
+    denominator = counts.denominator(args.loss_type, budget)
+    tokens, sampled = max(counts.tokens, 1.0), max(counts.sampled, 1.0)
+    rest = [i for i, t in enumerate(trajectories)  # valid, with sampled tokens, not trained: measured only
+            if scores.valid[i] and t.num_sampled and i not in set(scores.trained)]
+    share = args.share_prompt and can_share_prompt(model)
+    batches = [b.to(device) for b in grpo.micro_batches([trajectories[i] for i in scores.trained],
+                                                        scores.turn_advantages[scores.trained],
+                                                        size=args.micro_batch_size, pad_id=pad_id, share_prompt=share)]
+    measured = [b.to(device) for b in grpo.micro_batches([trajectories[i] for i in rest], torch.zeros(len(rest)),
+                                                         size=args.micro_batch_size, pad_id=pad_id, share_prompt=share)]
     model.train()  # gradient checkpointing is active in train mode only (Llama has no dropout)
-    with torch.no_grad():  # logp_old (the policy before this step's passes) and the KL anchor
-        old = [grpo.token_logprobs(model, b, args.temperature) for b in batches] if args.num_iterations > 1 else None
-        with model.disable_adapter() if args.beta and ref_model is None else contextlib.nullcontext():  # LoRA
-            ref = [grpo.token_logprobs(ref_model or model, b, args.temperature) for b in batches] if args.beta else None
+    old, ref = anchors(model, ref_model, batches, args)
+    stats = {'loss': 0.0, 'kl': 0.0, 'clip_ratio': 0.0, 'entropy': 0.0, 'logprob_gap': 0.0, 'is_clipped': 0.0,
+             'grad_norm': 0.0, 'skipped': 0, 'updated': counts.trained > 0}
     is_weights = [None] * len(batches)
-    for iteration in range(args.num_iterations):
+    for iteration in range(args.num_iterations if stats['updated'] else 0):
         optimizer.zero_grad(set_to_none=True)
-        loss_sum, gap = 0.0, 0.0
+        sums = torch.zeros(6, dtype=torch.float64, device=device)  # loss, kl, clipped, entropy, gap, is_clipped
         for k, b in enumerate(batches):
-            logprobs = grpo.token_logprobs(model, b, args.temperature)  # (b, T)
+            with precision(args, device):
+                logprobs, entropies = grpo.token_logprobs(model, b, args.temperature)  # (b, T)
             old_k = old[k] if old else logprobs.detach()
             if args.rollout_importance_sampling_mode and iteration == 0:  # trainer vs engine, at rollout time
-                is_weights[k], share = grpo.rollout_is_weights(old_k, b.engine_logprobs, b.loss_mask,
-                                                               args.rollout_importance_sampling_mode,
-                                                               args.rollout_importance_sampling_threshold)
-                stats['is_clipped'] += share * b.loss_mask.sum().item() / num_tokens
-            loss, s = grpo.grpo_loss(logprobs, old_k, b.advantages, b.loss_mask, epsilon=args.epsilon,
-                                     epsilon_high=args.epsilon_high, beta=args.beta, ref_logprobs=ref[k] if ref else None,
-                                     token_weights=b.token_weights, denominator=b.denominator,
-                                     level=args.importance_sampling_level, is_weights=is_weights[k])
+                is_weights[k], over = grpo.rollout_is_weights(old_k, b.engine_logprobs, b.loss_mask,
+                                                              args.rollout_importance_sampling_mode,
+                                                              args.rollout_importance_sampling_threshold)
+                sums[5] += over.sum()
+            per_token, kl, clipped = grpo.token_loss(
+                logprobs, old_k, b.advantages, b.loss_mask, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
+                beta=args.beta, ref_logprobs=ref[k] if ref else None, level=args.importance_sampling_level,
+                is_weights=is_weights[k])
+            loss = grpo.aggregate(per_token, b.loss_mask, b.trajectory_tokens, args.loss_type, denominator)
             loss.backward()
-            loss_sum += loss.item()
-            stats['kl'] += s['kl'] / args.num_iterations
-            stats['clip_ratio'] += s['clip_ratio'] / args.num_iterations
-            gap += ((logprobs.detach() - b.engine_logprobs).abs() * b.loss_mask).sum().item()
+            sums[:5] += torch.stack([loss.detach(), (kl.detach() * b.loss_mask).sum(), (clipped * b.loss_mask).sum(),
+                                     (entropies * b.loss_mask).sum(), gap(logprobs, b)])
+        if iteration == 0:
+            sums[3:5] += measure(model, measured, args)
+        sums = all_sum(sums, world)
         if iteration == 0:  # later passes see weights the engine never sampled from
-            stats['logprob_gap'] = gap / max(num_tokens, 1)
-        if world > 1:  # dapo divided by every process's tokens already: sum; the others: average
-            sum_gradients(model, 1 if args.loss_type == 'dapo' else world)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            stats.update(entropy=sums[3].item() / sampled, logprob_gap=sums[4].item() / sampled,
+                         is_clipped=sums[5].item() / tokens)
+        stats['kl'] += sums[1].item() / tokens / args.num_iterations
+        stats['clip_ratio'] += sums[2].item() / tokens / args.num_iterations
+        grad_norm = reduce_and_clip(model, args.max_grad_norm, world)
         if not torch.isfinite(grad_norm):  # the same on every process
-            print(f'warning: non-finite loss ({loss_sum}) or gradient norm; update skipped, weights unchanged')
+            print(f'warning: non-finite loss ({sums[0].item()}) or gradient norm; update skipped, weights unchanged')
             optimizer.zero_grad(set_to_none=True)
             stats['skipped'] += 1
             continue
         optimizer.step()
-        stats['loss'] += loss_sum / args.num_iterations
+        stats['loss'] += sums[0].item() / args.num_iterations
         stats['grad_norm'] = grad_norm.item()
+    if not stats['updated']:  # nothing trains anywhere: still say how sure the policy is
+        sums = all_sum(measure(model, measured, args), world)
+        stats.update(entropy=sums[0].item() / sampled, logprob_gap=sums[1].item() / sampled)
     model.eval()
     return stats
+
+
+def anchors(model, ref_model, batches, args: Args):
+    """(logp_old, the KL anchor's logprobs), per micro-batch, without gradients; None when not
+    needed. logp_old is the policy before this step (only --num_iterations > 1 needs it: with one
+    pass it equals logp, detached); the anchor is the starting model (with LoRA: the same model,
+    adapters off)."""
+    device = model.device
+    with torch.no_grad(), precision(args, device):
+        old = [grpo.token_logprobs(model, b, args.temperature)[0] for b in batches] if args.num_iterations > 1 else None
+        with model.disable_adapter() if args.beta and ref_model is None else contextlib.nullcontext():  # LoRA
+            ref = [grpo.token_logprobs(ref_model or model, b, args.temperature)[0] for b in batches] if args.beta else None
+    return old, ref
+
+
+def measure(model, batches, args: Args) -> torch.Tensor:
+    """(entropy sum, logprob-gap sum) over the sampled tokens of micro-batches that do not train."""
+    sums = torch.zeros(2, dtype=torch.float64, device=model.device)
+    with torch.no_grad(), precision(args, model.device):
+        for b in batches:
+            logprobs, entropies = grpo.token_logprobs(model, b, args.temperature)
+            sums += torch.stack([(entropies * b.loss_mask).sum(), gap(logprobs, b)])
+    return sums
+
+
+def gap(logprobs, b: grpo.MicroBatch) -> torch.Tensor:
+    """The summed |trainer - engine| logprob difference over a micro-batch's sampled tokens."""
+    return ((logprobs.detach() - b.engine_logprobs).abs() * b.loss_mask).sum()
+
+
+def precision(args: Args, device):
+    """--torch_dtype bfloat16: the forward and backward in bf16 (autocast), the weights and AdamW's
+    state in fp32, so that small updates are not rounded away."""
+    if args.torch_dtype == 'bfloat16':
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
 
 
 def can_share_prompt(model) -> bool:
@@ -203,54 +261,73 @@ def can_share_prompt(model) -> bool:
     return attention in ('sdpa', 'eager')
 
 
-def sum_gradients(model, divisor: int):
-    """Data parallelism: add up every trainable gradient over the processes, then divide."""
+def all_sum(values: torch.Tensor, world: int) -> torch.Tensor:
+    """The sum of a tensor over the processes (one process: the tensor itself)."""
+    if world > 1:
+        dist.all_reduce(values)
+    return values
+
+
+def reduce_and_clip(model, max_norm: float, world: int) -> torch.Tensor:
+    """Data parallelism: add every trainable gradient up over the processes (each process already
+    divided by the whole batch's count, so the sum is one big batch's gradient), then clip."""
     for p in model.parameters():
         if p.requires_grad:
             if p.grad is None:  # a process with nothing to train this step still takes part
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)
-            p.grad /= divisor
+            all_sum(p.grad, world)
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
 
 
 def warm_start(model, optimizer, rows, args: Args, tokenizer, rank: int = 0, world: int = 1):
     """--warm_start_steps supervised steps on games the env's expert plays on the training rows
-    (scheduler.ExpertScheduler). A supervised step is the GRPO update with every advantage 1: the
-    ratio is 1, so the loss's gradient is the replies' log-likelihood's (SCOUT, arXiv 2601.21754,
-    warms up this way)."""
+    (scheduler.ExpertScheduler): the update with every advantage 1, one pass, the bnpo normaliser
+    and temperature 1, so that the loss is the replies' mean negative log-likelihood under the
+    model itself and its gradient the supervised one (SCOUT, arXiv 2601.21754, warms up so)."""
     expert = Colocated(None, ExpertScheduler(None, args.max_turns, tokenizer=tokenizer, gym_env=args.gym_env,
                                              max_model_len=args.vllm_max_model_len))
-    supervised = dataclasses.replace(args, num_iterations=1, beta=0.0, rollout_importance_sampling_mode=None)
+    supervised = dataclasses.replace(args, num_iterations=1, beta=0.0, rollout_importance_sampling_mode=None,
+                                     temperature=1.0, loss_type='bnpo', importance_sampling_level='token')
     rng = random.Random(args.seed)
     for step in range(1, args.warm_start_steps + 1):
         picked = rng.sample(rows, min(len(rows), args.rows_per_step * args.num_generations))[rank::world]
         games = expert.rollout(picked, 1, 0.0)
-        stats = train_step(model, None, optimizer, games, torch.ones(len(games)), supervised, tokenizer.pad_token_id)
+        ones = torch.ones(len(games), max([t.num_turns for t in games] + [1]))
+        everyone = torch.ones(len(games), dtype=torch.bool)
+        scores = grpo.Scores(None, None, None, ones, everyone, everyone, list(range(len(games))))
+        stats = train_step(model, None, optimizer, games, scores, supervised, tokenizer.pad_token_id)
         if rank == 0:  # the expert's logprobs are 0, so the gap is the replies' mean negative log-likelihood
-            print(f"warm start {step}/{args.warm_start_steps}: the expert's replies, mean -logprob {stats['logprob_gap']:.3f}")
+            print(f"warm start {step}/{args.warm_start_steps}: the expert's replies, mean -logprob "
+                  f"{stats['logprob_gap']:.3f}")
+    return stats
 
 
 def play(rollouts, rows, step: int, args: Args, names, weights, rank: int = 0, world: int = 1):
     """Step 1: this step's rows (this process's share of them) -> groups of trajectories. With
     --dynamic_sample (DAPO), groups without reward spread are replaced by groups of fresh rows, for
-    at most --max_resample_times more rollout rounds. Returns (trajectories, rounds used)."""
+    at most --max_resample_times more rollout rounds; if too few are found, the last groups without
+    spread fill the batch up again, so that it keeps its size. Each process draws its fresh rows
+    from its own share of the rows the step did not pick. Returns (trajectories, rounds used)."""
     rng = random.Random(args.seed * 100_003 + step)  # a step's rows depend only on --seed and the step
-    picked = rng.sample(range(len(rows)), args.rows_per_step)[rank::world]
-    trajectories = rollouts.rollout([rows[i] for i in picked], args.num_generations, args.temperature)
-    rng, share, g = random.Random(rng.random() + rank), len(picked), args.num_generations  # refills differ by rank
+    chosen = rng.sample(range(len(rows)), args.rows_per_step)
+    picked, g = chosen[rank::world], args.num_generations
+    trajectories = rollouts.rollout([rows[i] for i in picked], g, args.temperature)
+    if not args.dynamic_sample:
+        return trajectories, 0
+    unused = [i for i in range(len(rows)) if i not in set(chosen)][rank::world]  # disjoint over processes
+    rng, groups = random.Random(rng.random() + rank), [trajectories[i:i + g] for i in range(0, len(trajectories), g)]
+    informative, flat = [], []
     for rounds in range(args.max_resample_times + 1):
-        if not args.dynamic_sample:
-            return trajectories, 0
         rewards = grpo.reward_columns(trajectories, names, args.use_gym_env) @ torch.tensor(weights)  # (N,)
         spread = grpo.with_spread(rewards, g, grpo.valid(trajectories))  # (N,)
-        informative = [trajectories[i:i + g] for i in range(0, len(trajectories), g) if spread[i:i + g].any()]
-        unused = sorted(set(range(len(rows))) - set(picked))
-        if len(informative) >= share or rounds == args.max_resample_times or not unused:
+        for k, group in enumerate(trajectories[i:i + g] for i in range(0, len(trajectories), g)):
+            (informative if spread[k * g:(k + 1) * g].any() else flat).append(group)
+        if len(informative) >= len(groups) or rounds == args.max_resample_times or not unused:
             break
-        fresh = rng.sample(unused, min(share - len(informative), len(unused)))
-        picked += fresh
-        trajectories = sum(informative, []) + rollouts.rollout([rows[i] for i in fresh], g, args.temperature)
-    return (sum(informative[:share], []) or trajectories), rounds
+        fresh = rng.sample(unused, min(len(groups) - len(informative), len(unused)))
+        unused = [i for i in unused if i not in fresh]
+        trajectories = rollouts.rollout([rows[i] for i in fresh], g, args.temperature)
+    return sum((informative + flat[::-1])[:len(groups)], []), rounds
 
 
 # ---------------------------------------------------------------- the loop
@@ -263,9 +340,10 @@ def start_processes(args: Args):
         return 0, 1
     if args.rows_per_step % world:
         raise UserError(f'--rows_per_step {args.rows_per_step}: must split evenly over {world} processes')
-    dist.init_process_group('nccl' if torch.cuda.is_available() else 'gloo')
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get('LOCAL_RANK', 0)))
+    device = pick_device(args.device)
+    if device.type == 'cuda':  # NCCL all-reduces the tensors of this process's GPU
+        torch.cuda.set_device(device)
+    dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo')
     return dist.get_rank(), world
 
 
@@ -284,7 +362,7 @@ def main(args: Args):
     quiet()
     torch.manual_seed(args.seed + rank)  # the transformers engine's sampling; vLLM gets --seed itself
     os.makedirs(args.output_dir, exist_ok=True)
-    tokenizer, model, ref_model, optimizer, start_step = load_models(args, rank)
+    tokenizer, model, ref_model, optimizer, start_step = load_models(args, pick_device(args.device), rank)
     rollouts = make_rollouts(args, model, tokenizer, rank)
     log = RunLog(args.output_dir, tokenizer, names + ['gym'] * args.use_gym_env, args.gym_env, args.report_to,
                  active=rank == 0)
@@ -298,7 +376,7 @@ def main(args: Args):
     before = evaluation(start_step, 'before')
     if args.eval_only:
         return before
-    if args.warm_start_steps and not start_step:  # ---- 0. warm start on the env's expert, if asked ----
+    if args.warm_start_steps and not args.resume:  # ---- 0. warm start on the env's expert, if asked ----
         warm_start(model, optimizer, rows, args, tokenizer, rank, world)
         rollouts.load_weights(model)
         if rank == 0 and not args.max_steps:  # a warm start alone is kept as checkpoint-0
@@ -314,12 +392,11 @@ def main(args: Args):
                             overlong_filter=args.overlong_filter, step_advantage_w=args.step_advantage_w, gamma=args.gamma)
         # ---- 3. update, on the trajectories that train ----
         rollouts.sleep()
-        stats = train_step(model, ref_model, optimizer, [trajectories[i] for i in scores.train],
-                           scores.turn_advantages[scores.train], args, tokenizer.pad_token_id)
+        stats = train_step(model, ref_model, optimizer, trajectories, scores, args, tokenizer.pad_token_id)
         rollouts.wake_up()
         # ---- 4. sync: the engine samples from the new weights (when any process updated, every process did) ----
         t2 = time.time()
-        if stats['logprob_gap'] is not None:
+        if stats.pop('updated'):
             rollouts.load_weights(model)
         # ---- 5. log, evaluate, checkpoint ----
         overlong = sum(t.stop_reason in grpo.OVERLONG for t in trajectories) if args.overlong_filter else 0
