@@ -1,9 +1,11 @@
-"""The flags of train.py and every check that can run before a model loads.
+"""The flags of train.py (and server.py's share of them) and every check that can run before a
+model loads.
 
 1. `Args`: one flat, documented list of flags; the names are ms-swift's where the concept is the
    same, so a command line carries over (README: "Flags").
-2. `parse_args` builds the command line from it; `check_args` refuses bad input in one line
-   (UserError) before anything heavy: ranges, choices, plugins, the dataset.
+2. `parser` builds a command line from it (all of it, or the fields a program names);
+   `check_args` refuses bad input in one line (UserError) before anything heavy: ranges,
+   choices, plugins, the dataset.
 3. The task's own rules come from its env class: `reward_setup` (its extra reward columns and
    weights, unless the flags say otherwise) and `held_out` (its held-out rows, else a share of
    the dataset).
@@ -20,72 +22,102 @@ from env import Env, UserError, envs, load_dataset, load_plugins, reward_funcs
 from scheduler import GYMScheduler, check_scheduler, multi_turns
 
 
+def flag(default, text: str):
+    """A field of Args: its default and its --help line."""
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata={'help': text})
+    return field(default=default, metadata={'help': text})
+
+
 @dataclass
 class Args:
     # ---- environment and data (flag names as in ms-swift) ----
-    gym_env: str = field(default='frozen_lake', metadata={'help': 'env for rows without env_config.name (alias --env)'})
-    external_plugins: List[str] = field(default_factory=list, metadata={'help': 'python files that register envs, rewards and schedulers'})
-    multi_turn_scheduler: str = field(default='gym_scheduler', metadata={'help': 'a name in scheduler.multi_turns: gym_scheduler, hint_scheduler, window_scheduler, or a plugin\'s'})
-    use_gym_env: bool = field(default=True, metadata={'help': "use the env's total_reward as the last reward column"})
-    dataset: str = field(default='data.jsonl', metadata={'help': 'JSONL rows with messages and env_config'})
-    split_dataset_ratio: float = field(default=0.1, metadata={'help': 'share of --dataset held out for evaluation, for envs without held-out rows of their own'})
-    max_turns: int = field(default=10, metadata={'help': 'most model replies per trajectory (server mode: must equal the server\'s)'})
-    # ---- model and engine ----
-    model: Optional[str] = field(default=None, metadata={'help': 'local folder or hub id; not given: the embedded SmolLM2-135M-Instruct'})
-    tuner_type: str = field(default='full', metadata={'help': 'full fine-tuning, or lora (peft adapters; checkpoints hold the adapter)'})
-    lora_rank: int = field(default=8, metadata={'help': 'with --tuner_type lora: the adapters\' rank'})
-    lora_alpha: int = field(default=32, metadata={'help': 'with --tuner_type lora: their scale is lora_alpha / lora_rank'})
-    target_modules: List[str] = field(default_factory=lambda: ['all-linear'], metadata={'help': 'with --tuner_type lora: module names to adapt (all-linear: every linear layer but the output head)'})
-    engine: str = field(default='auto', metadata={'help': 'rollout engine: vllm, hf, or auto (vllm when it can start)'})
-    vllm_mode: str = field(default='colocate', metadata={'help': 'colocate: vLLM inside this process; server: rollouts from server.py'})
-    vllm_gpu_memory_utilization: float = field(default=0.3, metadata={'help': 'CUDA: share of GPU memory vLLM may take'})
-    vllm_kv_cache_gib: float = field(default=0.5, metadata={'help': 'CPU: GiB of RAM for the vLLM KV cache'})
-    vllm_server_host: str = field(default='127.0.0.1', metadata={'help': 'server mode: the rollout server address'})
-    vllm_server_port: int = field(default=8000, metadata={'help': 'server mode: the rollout server port'})
-    vllm_server_pass_dataset: bool = field(default=False, metadata={'help': "server mode: send each row's env_config to the server's envs"})
-    vllm_server_timeout: float = field(default=240.0, metadata={'help': 'server mode: seconds to wait for an answer before giving up'})
-    vllm_max_model_len: int = field(default=2048, metadata={'help': 'longest trajectory, prompt included, in tokens'})
-    device: str = field(default='auto', metadata={'help': "where the trainer computes: auto (CUDA when torch sees it; under torchrun each process's own GPU), cuda, or cpu"})
-    torch_dtype: str = field(default='float32', metadata={'help': 'float32, or bfloat16: the forward and backward in bf16 (weights and optimizer state stay fp32); the engine samples in the same dtype'})
+    gym_env: str = flag('frozen_lake', 'env for rows without env_config.name (alias --env)')
+    external_plugins: List[str] = flag([], 'python files that register envs, rewards and schedulers')
+    multi_turn_scheduler: str = flag('gym_scheduler', 'a name in scheduler.multi_turns: gym_scheduler, '
+                                     "hint_scheduler, window_scheduler, or a plugin's")
+    use_gym_env: bool = flag(True, "use the env's total_reward as the last reward column")
+    dataset: str = flag('data.jsonl', 'JSONL rows with messages and env_config')
+    split_dataset_ratio: float = flag(0.1, 'share of --dataset held out for evaluation, for envs '
+                                      'without held-out rows of their own')
+    max_turns: int = flag(10, "most model replies per trajectory (server mode: must equal the server's)")
+    # ---- model, engine, device ----
+    model: Optional[str] = flag(None, 'local folder or hub id; not given: the embedded '
+                                'SmolLM2-135M-Instruct')
+    tuner_type: str = flag('full', 'full fine-tuning, or lora (peft adapters; checkpoints hold the adapter)')
+    lora_rank: int = flag(8, "with --tuner_type lora: the adapters' rank")
+    lora_alpha: int = flag(32, 'with --tuner_type lora: their scale is lora_alpha / lora_rank')
+    target_modules: List[str] = flag(['all-linear'], 'with --tuner_type lora: module names to adapt '
+                                     '(all-linear: every linear layer but the output head)')
+    device: str = flag('auto', 'where the trainer computes: auto (CUDA when torch sees it; under '
+                       "torchrun each process's own GPU), cuda, or cpu")
+    torch_dtype: str = flag('float32', 'float32, or bfloat16: the forward and backward in bf16 (weights '
+                            'and optimizer state stay fp32); the engine samples in the same dtype')
+    engine: str = flag('auto', 'rollout engine: vllm, hf, or auto (vllm when it can start)')
+    vllm_mode: str = flag('colocate', 'colocate: vLLM inside this process; server: rollouts from server.py')
+    vllm_gpu_memory_utilization: float = flag(0.3, 'CUDA: share of GPU memory vLLM may take')
+    vllm_kv_cache_gib: float = flag(0.5, 'CPU: GiB of RAM for the vLLM KV cache')
+    vllm_server_host: str = flag('127.0.0.1', 'server mode: the rollout server address')
+    vllm_server_port: int = flag(8000, 'server mode: the rollout server port')
+    vllm_server_pass_dataset: bool = flag(False, "server mode: send each row's env_config to the "
+                                          "server's envs")
+    vllm_server_timeout: float = flag(240.0, 'server mode: seconds to wait for an answer before giving up')
+    vllm_max_model_len: int = flag(2048, 'longest trajectory, prompt included, in tokens')
     # ---- GRPO ----
-    num_generations: int = field(default=8, metadata={'help': 'trajectories per row (the group size), at least 2'})
-    rows_per_step: int = field(default=4, metadata={'help': 'dataset rows per optimizer step'})
-    reward_funcs: Optional[List[str]] = field(default=None, metadata={'help': "extra reward columns (names the env files register); not given: the env's own default_reward_funcs (FrozenLakeEnv's: progress)"})
-    reward_weights: Optional[List[float]] = field(default=None, metadata={'help': "one weight per column, the gym reward last; not given: the env's own (FrozenLakeEnv's: progress 0.5, gym 1), else all 1"})
-    loss_type: str = field(default='bnpo', metadata={'help': 'loss normaliser: bnpo/dapo (tokens of the batch), grpo (per trajectory; ms-swift\'s default), dr_grpo'})
-    advantage_estimator: str = field(default='grpo', metadata={'help': 'grpo (group mean baseline), rloo (leave-one-out baseline), or gigpo (grpo plus a step-level advantage per anchor state)'})
-    step_advantage_w: float = field(default=1.0, metadata={'help': "with gigpo: the step-level advantage's weight"})
-    gamma: float = field(default=0.95, metadata={'help': "with gigpo: the discount of the step-level returns"})
-    scale_rewards: Optional[str] = field(default=None, metadata={'help': 'divide advantages by the std of the group, the batch, or none; not given: group, and none for rloo (as ms-swift)'})
-    dynamic_sample: bool = field(default=False, metadata={'help': 'DAPO: replace groups without reward spread by fresh rows'})
-    max_resample_times: int = field(default=3, metadata={'help': 'with --dynamic_sample: most extra rollout rounds a step'})
-    overlong_filter: bool = field(default=False, metadata={'help': 'leave trajectories cut by a length limit out of the loss'})
-    importance_sampling_level: str = field(default='token', metadata={'help': 'token ratios, or sequence (GSPO: one ratio per trajectory)'})
-    rollout_importance_sampling_mode: Optional[str] = field(default=None, metadata={'help': 'engine/trainer mismatch correction: token_truncate, token_mask, sequence_truncate, sequence_mask; not given: off'})
-    rollout_importance_sampling_threshold: float = field(default=2.0, metadata={'help': 'upper bound of those weights'})
-    beta: float = field(default=0.0, metadata={'help': 'KL penalty to the starting model (0: no reference model kept)'})
-    epsilon: float = field(default=0.2, metadata={'help': 'lower clip range of the ratio'})
-    epsilon_high: Optional[float] = field(default=None, metadata={'help': 'upper clip range; not given: --epsilon'})
-    num_iterations: int = field(default=1, metadata={'help': 'optimizer passes over each batch'})
-    temperature: float = field(default=0.8, metadata={'help': 'sampling temperature of training rollouts (> 0)'})
-    max_completion_length: int = field(default=16, metadata={'help': 'most tokens in one reply'})
-    learning_rate: float = field(default=2e-5, metadata={'help': 'AdamW learning rate'})
-    micro_batch_size: int = field(default=8, metadata={'help': 'segments (trajectories, unless a scheduler rewrote history) per forward/backward: memory, not math'})
-    share_prompt: bool = field(default=True, metadata={'help': "compute each prefix the micro-batch's segments share (a group's prompt) once: the same loss and gradients, less work"})
-    gradient_checkpointing: bool = field(default=True, metadata={'help': 'recompute activations in backward: less memory (without it a default run peaked at 10.2 GiB), about 1.2x more time'})
-    max_grad_norm: float = field(default=1.0, metadata={'help': 'gradient clipping'})
-    warm_start_steps: int = field(default=0, metadata={'help': "supervised steps on the env's expert games (Env.expert_reply) before GRPO"})
+    num_generations: int = flag(8, 'trajectories per row (the group size), at least 2')
+    rows_per_step: int = flag(4, 'dataset rows per optimizer step')
+    reward_funcs: Optional[List[str]] = flag(None, 'extra reward columns (names the env files register); '
+                                             "not given: the env's own default_reward_funcs "
+                                             "(FrozenLakeEnv's: progress)")
+    reward_weights: Optional[List[float]] = flag(None, 'one weight per column, the gym reward last; not '
+                                                 "given: the env's own (FrozenLakeEnv's: progress 0.5, "
+                                                 'gym 1), else all 1')
+    loss_type: str = flag('bnpo', 'loss normaliser: bnpo/dapo (the batch\'s sampled tokens), grpo (per '
+                          "trajectory; ms-swift's default), dr_grpo (a constant)")
+    advantage_estimator: str = flag('grpo', 'grpo (group mean baseline), rloo (leave-one-out '
+                                    'baseline), or gigpo (grpo plus a step-level advantage per anchor state)')
+    step_advantage_w: float = flag(1.0, "with gigpo: the step-level advantage's weight")
+    gamma: float = flag(0.95, 'with gigpo: the discount of the step-level returns')
+    scale_rewards: Optional[str] = flag(None, 'divide advantages by the std of the group, the batch, '
+                                        'or none; not given: group, and none for rloo (as ms-swift)')
+    dynamic_sample: bool = flag(False, 'DAPO: replace groups without reward spread by fresh rows')
+    max_resample_times: int = flag(3, 'with --dynamic_sample: most extra rollout rounds a step')
+    overlong_filter: bool = flag(False, 'leave trajectories cut by a length limit out of the loss')
+    importance_sampling_level: str = flag('token', 'token ratios, or sequence (GSPO: one ratio per '
+                                          'token sequence)')
+    rollout_importance_sampling_mode: Optional[str] = flag(None, 'engine/trainer mismatch correction: '
+                                                           'token_truncate, token_mask, sequence_truncate, '
+                                                           'sequence_mask; not given: off')
+    rollout_importance_sampling_threshold: float = flag(2.0, 'upper bound of those weights')
+    beta: float = flag(0.0, 'KL penalty to the starting model (0: no reference model kept)')
+    epsilon: float = flag(0.2, 'lower clip range of the ratio')
+    epsilon_high: Optional[float] = flag(None, 'upper clip range; not given: --epsilon')
+    num_iterations: int = flag(1, 'optimizer passes over each batch')
+    temperature: float = flag(0.8, 'sampling temperature of training rollouts (> 0)')
+    max_completion_length: int = flag(16, 'most tokens in one reply')
+    learning_rate: float = flag(2e-5, 'AdamW learning rate')
+    micro_batch_size: int = flag(8, 'segments (trajectories, unless a scheduler rewrote history) per '
+                                 'forward/backward: memory, not math')
+    share_prompt: bool = flag(True, "compute each prefix the micro-batch's segments share (a group's "
+                              'prompt) once: the same loss and gradients, less work')
+    gradient_checkpointing: bool = flag(True, 'recompute activations in backward: less memory (without '
+                                        'it a default run peaked at 10.2 GiB), about 1.2x more time')
+    max_grad_norm: float = flag(1.0, 'gradient clipping')
+    warm_start_steps: int = flag(0, "supervised steps on the env's expert games (Env.expert_reply) "
+                                 'before GRPO')
     # ---- run ----
-    max_steps: int = field(default=26, metadata={'help': 'optimizer steps'})
-    eval_steps: int = field(default=0, metadata={'help': 'evaluate every N steps (0: only before and after)'})
-    eval_size: int = field(default=256, metadata={'help': 'most held-out rows to evaluate on (0: no evaluation)'})
-    eval_temperature: float = field(default=0.0, metadata={'help': 'sampling temperature of evaluation (0: greedy)'})
-    eval_only: bool = field(default=False, metadata={'help': 'evaluate --model and stop'})
-    save_steps: int = field(default=20, metadata={'help': 'checkpoint every N steps (and at the end)'})
-    output_dir: str = field(default='output', metadata={'help': 'metrics, completions, checkpoints, plot'})
-    resume: bool = field(default=False, metadata={'help': 'continue from the latest checkpoint in --output_dir'})
-    seed: int = field(default=0, metadata={'help': "picks each step's rows; seeds vLLM's sampler and torch"})
-    report_to: List[str] = field(default_factory=list, metadata={'help': 'dashboards besides metrics.jsonl: tensorboard, wandb (offline)'})
+    max_steps: int = flag(26, 'optimizer steps')
+    eval_steps: int = flag(0, 'evaluate every N steps (0: only before and after)')
+    eval_size: int = flag(256, 'most held-out rows to evaluate on (0: no evaluation)')
+    eval_temperature: float = flag(0.0, 'sampling temperature of evaluation (0: greedy)')
+    eval_only: bool = flag(False, 'evaluate --model and stop')
+    save_steps: int = flag(20, 'checkpoint every N steps (and at the end)')
+    save_only_model: bool = flag(False, 'checkpoints without the optimizer state (a third of the size; '
+                                 '--resume then starts AdamW afresh)')
+    output_dir: str = flag('output', 'metrics, completions, checkpoints, plot')
+    resume: bool = flag(False, 'continue from the latest checkpoint in --output_dir')
+    seed: int = flag(0, "picks each step's rows; seeds vLLM's sampler and torch")
+    report_to: List[str] = flag([], 'dashboards besides metrics.jsonl: tensorboard, wandb (offline)')
 
 
 def truth(text: str) -> bool:
@@ -96,27 +128,37 @@ def truth(text: str) -> bool:
 
 def shown(value) -> str:
     """A default as --help shows it (and the test of --help reads it)."""
-    return ' '.join(map(str, value)) or '[]' if isinstance(value, list) else str(value).lower() if isinstance(value, bool) else str(value)
+    if isinstance(value, list):
+        return ' '.join(map(str, value)) or '[]'
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
-def parse_args(argv=None) -> Args:
-    """The command line, from Args: each flag's help ends with its default, unless the default is
-    None, whose meaning the help says itself."""
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+def parser(description: str, names=None) -> argparse.ArgumentParser:
+    """A command line of Args' fields (all, or those named): each flag's help ends with its
+    default, unless the default is None, whose meaning the help says itself. A flag not given
+    parses to None (the field's default, in `parse_args`)."""
+    out = argparse.ArgumentParser(description=description)
     for f in dataclasses.fields(Args):
-        names = ['--' + f.name] + (['--env'] if f.name == 'gym_env' else [])
+        if names is not None and f.name not in names:
+            continue
+        flags = ['--' + f.name] + (['--env'] if f.name == 'gym_env' else [])
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         text = f.metadata['help'] + ('' if default is None else f' (default: {shown(default)})')
         text = text.replace('%', '%%')  # argparse formats help strings with %
         if f.type == bool:
-            parser.add_argument(*names, type=truth, default=default, metavar='true|false', help=text)
+            out.add_argument(*flags, type=truth, metavar='true|false', help=text)
         elif f.type in (List[str], Optional[List[str]], Optional[List[float]]):
             kind = float if f.type == Optional[List[float]] else str
-            parser.add_argument(*names, nargs='*', type=kind, default=None, help=text)
+            out.add_argument(*flags, nargs='*', type=kind, help=text)
         else:
-            kind = {Optional[str]: str, Optional[float]: float}.get(f.type, f.type)
-            parser.add_argument(*names, type=kind, default=default, help=text)
-    return Args(**{k: v for k, v in vars(parser.parse_args(argv)).items() if v is not None})
+            out.add_argument(*flags, type={Optional[str]: str, Optional[float]: float}.get(f.type, f.type),
+                             help=text)
+    return out
+
+
+def parse_args(argv=None) -> Args:
+    given = vars(parser('GRPO on GYM environments: python train.py --env frozen_lake').parse_args(argv))
+    return Args(**{k: v for k, v in given.items() if v is not None})
 
 
 # ---------------------------------------------------------------- input checks, before anything heavy
@@ -125,30 +167,42 @@ LIMITS = {  # flag: (lowest allowed, what it means)
     'max_turns': (1, 'at least one reply'), 'num_generations': (2, 'a group needs at least 2 trajectories'),
     'rows_per_step': (1, 'at least one row'), 'max_completion_length': (1, 'at least one token'),
     'micro_batch_size': (1, 'at least one trajectory'), 'num_iterations': (1, 'at least one pass'),
-    'max_steps': (0, 'not negative'), 'warm_start_steps': (0, 'not negative'), 'eval_steps': (0, 'not negative'), 'eval_size': (0, 'not negative'),
+    'max_steps': (0, 'not negative'), 'warm_start_steps': (0, 'not negative'),
+    'eval_steps': (0, 'not negative'), 'eval_size': (0, 'not negative'),
     'save_steps': (1, 'at least 1'), 'beta': (0, 'not negative'), 'epsilon': (0, 'not negative'),
     'eval_temperature': (0, 'not negative'), 'vllm_kv_cache_gib': (0, 'not negative'),
     'max_resample_times': (0, 'not negative'), 'rollout_importance_sampling_threshold': (1, 'at least 1'),
-    'lora_rank': (1, 'at least 1'), 'lora_alpha': (1, 'at least 1'),
+    'lora_rank': (1, 'at least 1'), 'lora_alpha': (1, 'at least 1'), 'vllm_max_model_len': (2, 'at least 2'),
 }
 
-
 CHOICES = {
-    'vllm_mode': ['colocate', 'server'], 'engine': ['auto', 'vllm', 'hf'],
-    'tuner_type': ['full', 'lora'],
+    'vllm_mode': ['colocate', 'server'], 'engine': ['auto', 'vllm', 'hf'], 'tuner_type': ['full', 'lora'],
     'loss_type': ['bnpo', 'grpo', 'dr_grpo', 'dapo'], 'advantage_estimator': ['grpo', 'rloo', 'gigpo'],
     'scale_rewards': [None, 'group', 'batch', 'none'], 'importance_sampling_level': ['token', 'sequence'],
     'device': ['auto', 'cpu', 'cuda'], 'torch_dtype': ['float32', 'bfloat16'],
-    'rollout_importance_sampling_mode': [None, 'token_truncate', 'token_mask', 'sequence_truncate', 'sequence_mask'],
+    'rollout_importance_sampling_mode': [None, 'token_truncate', 'token_mask', 'sequence_truncate',
+                                         'sequence_mask'],
 }
 
 
-def check_args(args: Args):
-    """Every input check that can run before a model loads. Returns (train rows, eval rows, env class,
-    reward column names, reward weights)."""
+def check_game(args):
+    """The checks train.py and server.py share: ranges of the flags given, the model folder, the
+    plugins, the scheduler and the env."""
     for name, (low, meaning) in LIMITS.items():
-        if getattr(args, name) < low:
+        if hasattr(args, name) and getattr(args, name) < low:
             raise UserError(f'--{name} {getattr(args, name)}: {meaning}')
+    if args.model and not os.path.isdir(args.model) and args.model.startswith(('/', '.', '~')):
+        raise UserError(f'--model {args.model}: no such folder')
+    load_plugins(args.external_plugins)
+    check_scheduler(args.multi_turn_scheduler)
+    if args.gym_env not in envs:
+        raise UserError(f'--gym_env {args.gym_env}: not registered; registered: {", ".join(sorted(envs))}')
+
+
+def check_args(args: Args):
+    """Every input check that can run before a model loads; fills in --scale_rewards. Returns
+    (train rows, eval rows, env class, reward column names, reward weights)."""
+    check_game(args)
     for name, value in (('temperature', args.temperature), ('learning_rate', args.learning_rate)):
         if not value > 0:
             raise UserError(f'--{name} {value}: must be above 0')
@@ -168,21 +222,18 @@ def check_args(args: Args):
             raise UserError('--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)')
     if args.scale_rewards is None:
         args.scale_rewards = 'none' if args.advantage_estimator == 'rloo' else 'group'
-    if args.model and not os.path.isdir(args.model) and args.model.startswith(('/', '.', '~')):
-        raise UserError(f'--model {args.model}: no such folder')
-    load_plugins(args.external_plugins)
-    check_scheduler(args.multi_turn_scheduler)
-    if args.gym_env not in envs:
-        raise UserError(f'--gym_env {args.gym_env}: not registered; registered: {", ".join(sorted(envs))}')
     env_cls = envs[args.gym_env]
     if args.warm_start_steps and env_cls.expert_reply is Env.expert_reply:
-        raise UserError(f'--warm_start_steps {args.warm_start_steps}: env {args.gym_env} has no expert (Env.expert_reply)')
+        raise UserError(f'--warm_start_steps {args.warm_start_steps}: env {args.gym_env} has no expert '
+                        '(Env.expert_reply)')
     names, weights = reward_setup(args, env_cls)
     rows = load_dataset(args.dataset, args.gym_env)
     own_rows = issubclass(multi_turns[args.multi_turn_scheduler], GYMScheduler)  # else the env plays no part
-    rows, eval_rows = held_out(rows, env_cls if own_rows else None, args.eval_size, args.split_dataset_ratio, args.dataset)
+    rows, eval_rows = held_out(rows, env_cls if own_rows else None, args.eval_size, args.split_dataset_ratio,
+                               args.dataset)
     if args.rows_per_step > len(rows):
-        raise UserError(f'--rows_per_step {args.rows_per_step}: there are {len(rows)} training rows in {args.dataset}')
+        raise UserError(f'--rows_per_step {args.rows_per_step}: there are {len(rows)} training rows in '
+                        f'{args.dataset}')
     return rows, eval_rows, env_cls, names, weights
 
 
@@ -193,7 +244,8 @@ def reward_setup(args: Args, env_cls):
     names = list(env_cls.default_reward_funcs) if own else args.reward_funcs
     for name in names:
         if name not in reward_funcs:
-            raise UserError(f'--reward_funcs {name}: unknown; registered: {", ".join(sorted(reward_funcs)) or "none"}')
+            raise UserError(f'--reward_funcs {name}: unknown; registered: '
+                            f'{", ".join(sorted(reward_funcs)) or "none"}')
     columns = len(names) + args.use_gym_env
     if columns == 0:
         raise UserError('no reward: --use_gym_env is false and there are no --reward_funcs')

@@ -31,7 +31,8 @@ from typing import Any, Iterable, List, Tuple
 import torch
 
 from env import RolloutInferRequest, UserError
-from scheduler import MultiTurnScheduler, Segment, Trajectory, requests_for, rollout
+from scheduler import MultiTurnScheduler, requests_for, rollout
+from trajectory import Segment, Trajectory
 
 
 @dataclass
@@ -65,8 +66,8 @@ class Engine(ABC):
 class HFEngine(Engine):
     """transformers' `generate` on the trainer's own model: always in sync, slow on long batches."""
 
-    def __init__(self, model, tokenizer):
-        self.model, self.tokenizer = model, tokenizer
+    def __init__(self, model, tokenizer, dtype: str = 'float32'):
+        self.model, self.tokenizer, self.bf16 = model, tokenizer, dtype == 'bfloat16'
 
     @torch.no_grad()
     def generate(self, prompts, max_tokens, temperature):
@@ -75,10 +76,11 @@ class HFEngine(Engine):
         device = self.model.device
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # (B, width), left-padded
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        out = self.model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=temperature > 0,
-            temperature=temperature or None, top_k=0, top_p=1.0, pad_token_id=pad, eos_token_id=eos,
-            output_logits=True, return_dict_in_generate=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):  # as the trainer computes
+            out = self.model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=temperature > 0,
+                temperature=temperature or None, top_k=0, top_p=1.0, pad_token_id=pad, eos_token_id=eos,
+                output_logits=True, return_dict_in_generate=True)
         new = out.sequences[:, width:]  # (B, T)
         logits = torch.stack(out.logits, dim=1).float() / (temperature or 1.0)  # (B, T, V)
         logprobs = logits.log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, T)
@@ -153,20 +155,20 @@ def quiet():
     transformers_logging.disable_progress_bar()
 
 
-def make_engine(choice: str, path: str, model, tokenizer, **vllm_kwargs) -> Engine:
+def make_engine(choice: str, path: str, model, tokenizer, dtype: str = 'float32', **vllm_kwargs) -> Engine:
     """'vllm', 'hf', or 'auto' (vLLM when it can start, else transformers, saying why)."""
     if choice in ('auto', 'vllm'):
         try:
-            engine = VLLMEngine(path, **vllm_kwargs)
+            engine = VLLMEngine(path, dtype=dtype, **vllm_kwargs)
             print('engine: vllm (colocated, in-process)')
             return engine
         except Exception as e:
             if choice == 'vllm':
                 raise
             print(f'engine: hf (transformers generate), because vLLM could not start: {type(e).__name__}: {e}')
-            return HFEngine(model, tokenizer)
+            return HFEngine(model, tokenizer, dtype)
     print('engine: hf (transformers generate), as asked')
-    return HFEngine(model, tokenizer)
+    return HFEngine(model, tokenizer, dtype)
 
 
 def embedded_model() -> str:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
 Messages = List[Dict[str, Any]]  # [{'role': 'system'|'user'|'assistant', 'content': str}, ...]
+INVALID = ('invalid', 'invalid_action')  # info statuses of a reply the env could not read (ours, ms-swift's)
 
 
 class UserError(Exception):

@@ -85,23 +85,27 @@ def step_advantages(trajectories, group_size: int, gamma: float, scale: str, eps
     """(N, T) GiGPO's step-level advantages (arXiv 2505.10978): turn k of trajectory i is judged
     by its discounted return from then on, G = r_k + gamma r_k+1 + ..., against the returns of
     every turn in its group that started from the same env state (an anchor state: the env's
-    `state_key` before each reply, in rollout_infos['states']). A state met once gets 0."""
+    `state_key` before each reply, in rollout_infos['states']). A state met once, or whose
+    returns all agree, gets exactly 0; so does every turn of a trajectory whose env raised."""
     # BEGIN SOLUTION exercise 6: step-level credit (GiGPO)
     out = torch.zeros(len(trajectories), max([t.num_turns for t in trajectories] + [1]))  # (N, T)
     for start in range(0, len(trajectories), group_size):
         anchors = {}  # state -> [(trajectory, turn, return)]
         for i in range(start, start + group_size):
-            infos, returns = trajectories[i].rollout_infos, [0.0]
             if trajectories[i].stop_reason == 'error':
                 continue
+            infos, future = trajectories[i].rollout_infos, [0.0]  # future[k]: the return from turn k on
             for r in reversed(infos.get('step_rewards', [])):
-                returns.insert(0, r + gamma * returns[0])
-            for k, (state, g) in enumerate(zip(infos.get('states', []), returns[:-1])):
-                anchors.setdefault(json.dumps(state), []).append((i, k, g))
+                future.insert(0, r + gamma * future[0])
+            for k, (state, ret) in enumerate(zip(infos.get('states', []), future[:-1])):
+                anchors.setdefault(json.dumps(state), []).append((i, k, ret))
         for members in anchors.values():
-            g = torch.tensor([m[2] for m in members])  # (n,)
-            a = (g - g.mean()) / (g.std() + eps) if scale == 'group' and len(g) > 1 else g - g.mean()
-            for (i, k, _), value in zip(members, a.tolist()):
+            returns = torch.tensor([ret for _, _, ret in members])  # (n,)
+            if returns.max() == returns.min():  # nothing to compare
+                continue
+            centred = returns - returns.mean()
+            values = centred / (returns.std() + eps) if scale == 'group' else centred
+            for (i, k, _), value in zip(members, values.tolist()):
                 out[i, k] = value
     return out
     # END SOLUTION
@@ -125,6 +129,9 @@ def score(trajectories, names, weights, *, use_gym_env: bool, group_size: int, b
     rewards = columns @ torch.tensor(weights)  # (N,)
     ok = valid(trajectories)
     advantages = group_advantages(rewards, group_size, ok, 'rloo' if estimator == 'rloo' else 'grpo', scale)  # (N,)
+    # A group whose rewards all agree gets exactly 0: the float mean of equal rewards need not equal them,
+    # and that rounding, divided by a std near 0, would otherwise train on noise.
+    advantages = advantages * with_spread(rewards, group_size, ok)
     turns = advantages.unsqueeze(1).expand(-1, max([t.num_turns for t in trajectories] + [1]))  # (N, T)
     if estimator == 'gigpo':
         turns = turns + step_advantage_w * step_advantages(trajectories, group_size, gamma, scale)

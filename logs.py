@@ -22,13 +22,14 @@ import torch
 from tqdm import tqdm
 
 import grpo
-from scheduler import Trajectory
+from env import INVALID, env_name
+from trajectory import Trajectory
 
 
 def valid_share(trajectories) -> Optional[float]:
     """Share of env steps whose info does not say `status: invalid`; None when the env reports no status."""
     statuses = [i['status'] for t in trajectories for i in t.rollout_infos.get('step_infos', []) if 'status' in i]
-    return sum(s not in ('invalid', 'invalid_action') for s in statuses) / len(statuses) if statuses else None
+    return sum(s not in INVALID for s in statuses) / len(statuses) if statuses else None
 
 
 def success_interval(successes: int, n: int, z: float = 1.96):
@@ -147,7 +148,7 @@ class RunLog:
         per_turn = sum((p[1].turn_advantages.tolist() for p in parts), [])
         for t, r, a, col, turns in zip(trajectories, rewards.tolist(), advantages.tolist(), columns.tolist(), per_turn):
             self.completions.write(json.dumps({
-                'step': step, 'env': (t.request.data_dict.get('env_config') or {}).get('name') or self.gym_env,
+                'step': step, 'env': env_name(t.request.data_dict, self.gym_env),
                 'env_config': t.request.data_dict.get('env_config'), 'messages': t.messages,
                 'rewards': dict(zip(self.column_names, col)), 'reward': r, 'advantage': a,
                 'turn_advantages': turns[:t.num_turns],

@@ -20,13 +20,15 @@ import dataclasses
 import os
 import threading
 import uuid
+from types import SimpleNamespace
 from typing import Any, Dict, List
 
 from pydantic import BaseModel, Field, ValidationError
 
+import config
 import frozen_lake  # noqa: F401  (registers envs['frozen_lake'])
-from env import UserError, env_name, envs, load_plugins
-from scheduler import check_scheduler, multi_turns, requests_for
+from env import UserError, env_name, envs
+from scheduler import make_scheduler, requests_for
 
 MAX_ROLLOUT_BYTES = 16 * 2**20  # a /rollout body: rows are small; this is thousands of them
 
@@ -38,28 +40,24 @@ class RolloutRequest(BaseModel):
     max_completion_length: int = Field(ge=1)
 
 
+SHARED = ('model', 'gym_env', 'external_plugins', 'multi_turn_scheduler', 'max_turns', 'vllm_max_model_len',
+          'vllm_kv_cache_gib', 'vllm_gpu_memory_utilization', 'torch_dtype', 'seed')  # train.py's flags, and meanings
+
+
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--model', help='local folder or hub id; default: the embedded SmolLM2-135M-Instruct')
-    parser.add_argument('--gym_env', default='frozen_lake', help='env for rows without env_config.name')
-    parser.add_argument('--external_plugins', nargs='*', default=[], help='python files that register envs, rewards, schedulers')
-    parser.add_argument('--multi_turn_scheduler', default='gym_scheduler', help='a name in scheduler.multi_turns')
-    parser.add_argument('--max_turns', type=int, default=10, help='most model replies per trajectory')
-    parser.add_argument('--host', default='127.0.0.1', help='address to listen on')
-    parser.add_argument('--port', type=int, default=8000, help='port to listen on')
-    parser.add_argument('--max_trajectories', type=int, default=1024, help='most trajectories one request may ask for')
-    parser.add_argument('--vllm_max_model_len', type=int, default=2048, help='longest trajectory in tokens')
-    parser.add_argument('--vllm_kv_cache_gib', type=float, default=0.5, help='CPU: GiB of RAM for the KV cache')
-    parser.add_argument('--vllm_gpu_memory_utilization', type=float, default=0.3, help='CUDA: share of GPU memory')
-    parser.add_argument('--seed', type=int, default=0, help="seeds vLLM's sampler")
-    args = parser.parse_args(argv)
-    if args.max_turns < 1 or args.max_trajectories < 1:
-        raise UserError('--max_turns and --max_trajectories must be at least 1')
-    load_plugins(args.external_plugins)
-    check_scheduler(args.multi_turn_scheduler)
-    if args.gym_env not in envs:
-        raise UserError(f'--gym_env {args.gym_env}: not registered; registered: {", ".join(sorted(envs))}')
-    return args
+    """train.py's flags that concern the game and the engine (config.py), and the server's own."""
+    parser = config.parser(__doc__.split('\n')[0], SHARED)
+    parser.add_argument('--host', default='127.0.0.1', help='address to listen on (default: 127.0.0.1)')
+    parser.add_argument('--port', type=int, default=8000, help='port to listen on (default: 8000)')
+    parser.add_argument('--max_trajectories', type=int, default=1024,
+                        help='most trajectories one request may ask for (default: 1024)')
+    given = vars(parser.parse_args(argv))
+    own = {k: given.pop(k) for k in ('host', 'port', 'max_trajectories')}
+    args = config.Args(**{k: v for k, v in given.items() if v is not None})
+    config.check_game(args)
+    if own['max_trajectories'] < 1:
+        raise UserError(f"--max_trajectories {own['max_trajectories']}: at least 1")
+    return SimpleNamespace(**{k: getattr(args, k) for k in SHARED}, **own)
 
 
 async def read_body(request, limit: int) -> bytes:
@@ -142,9 +140,9 @@ def serve(args):
     with torch.device('meta'):  # the size of an fp32 state dict, without allocating one
         weight_bytes = sum(4 * t.numel() for t in AutoModelForCausalLM.from_config(config).state_dict().values())
     engine = VLLMEngine(path, args.seed, args.vllm_max_model_len, args.vllm_kv_cache_gib,
-                        args.vllm_gpu_memory_utilization)
-    scheduler = multi_turns[args.multi_turn_scheduler](engine, args.max_turns, tokenizer=tokenizer, gym_env=args.gym_env,
-                                                       max_model_len=args.vllm_max_model_len)
+                        args.vllm_gpu_memory_utilization, dtype=args.torch_dtype)
+    scheduler = make_scheduler(args.multi_turn_scheduler, engine, tokenizer, max_turns=args.max_turns,
+                               gym_env=args.gym_env, max_model_len=args.vllm_max_model_len)
     identity = {'fingerprint': fingerprint(tokenizer, config), 'boot': uuid.uuid4().hex,
                 'max_turns': args.max_turns, 'gym_env': args.gym_env}
     app = build_app(scheduler, engine, identity, args.max_trajectories, weight_bytes + 2**20)

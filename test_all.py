@@ -36,7 +36,8 @@ from env import Env, RolloutInferRequest, UserError, envs, load_dataset, load_pl
 from frozen_lake import MOVES, generate_random_map, parse_action, shortest_path
 import logs
 from logs import evaluate
-from scheduler import GYMScheduler, HintScheduler, MultiTurnScheduler, Segment, Trajectory, multi_turns, requests_for, rollout
+from scheduler import GYMScheduler, HintScheduler, MultiTurnScheduler, multi_turns, requests_for, rollout
+from trajectory import Segment, Trajectory
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 slow = pytest.mark.slow
@@ -425,8 +426,8 @@ def test_a_cancelled_wait_for_the_engine_leaves_the_others_served(tokenizer):
     scheduler = MultiTurnScheduler(ScriptedEngine(tokenizer, lambda text: 'x'), 1, tokenizer=tokenizer)
 
     async def two_then_cancel_one():
-        first = asyncio.ensure_future(scheduler._generate_one([1, 2]))
-        second = asyncio.ensure_future(scheduler._generate_one([3, 4]))
+        one, two = (Trajectory(RolloutInferRequest([]), [Segment(ids)]) for ids in ([1, 2], [3, 4]))
+        first, second = asyncio.ensure_future(scheduler._generate(one)), asyncio.ensure_future(scheduler._generate(two))
         await asyncio.sleep(0)  # both have queued their prompt; the engine call comes next
         first.cancel()
         return await asyncio.wait_for(second, timeout=5)
@@ -450,6 +451,19 @@ def test_rewards_read_the_whole_game_after_a_history_rewrite(tokenizer):
     assert [m['content'] for m in t.messages if m['role'] == 'user'][0] == t.segments[0].messages[1]['content']
     reward_funcs['replies'] = lambda messages: float(sum(m['role'] == 'assistant' for m in messages))
     assert grpo.reward_columns([t], ['replies'], use_gym_env=True).tolist() == [[5.0, 1.0]]  # the reward sees all five replies, not the last view's one
+
+
+def test_the_whole_conversation_keeps_a_prefilled_reply(tokenizer):
+    class Prefill(GYMScheduler):  # starts each next reply for the model: the conversation ends in an assistant message
+        def step(self, req, response_choice, turn):
+            ret = super().step(req, response_choice, turn)
+            req.messages.append({'role': 'assistant', 'content': '<action>'})
+            return ret
+
+    (t,) = rollout(Prefill(ScriptedEngine(tokenizer, lambda text: 'up</action>'), 3, tokenizer=tokenizer,
+                           gym_env='frozen_lake'), requests([1]))
+    assert t.messages == t.request.messages and len(t.messages) == 2 + 2 * t.num_turns - 1
+    assert [m['content'] for m in t.messages if m['role'] == 'assistant'][1:] == ['<action>up</action>'] * (t.num_turns - 1)
 
 
 def test_bad_schedulers_are_refused_in_one_line(tokenizer):
@@ -678,10 +692,21 @@ def test_the_cli_says_one_line_and_loads_nothing():
     assert (run.returncode, run.stdout, run.stderr) == (1, '', 'error: --max_turns 0: at least one reply\n')
 
 
-@pytest.mark.parametrize('program', ['train.py', 'server.py', 'bench.py', 'baselines.py', 'student_copy.py'])
+@pytest.mark.parametrize('program', ['train.py', 'server.py', 'bench.py', 'baselines.py', 'student_copy.py',
+                                     'worked_step.py'])
 def test_help_works(program):
     run = subprocess.run([sys.executable, program, '--help'], cwd=HERE, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.startswith('usage:'), run.stderr
+
+
+def test_worked_step_prints_each_formula():
+    run = subprocess.run([sys.executable, 'worked_step.py'], cwd=HERE, capture_output=True, text=True, timeout=120)
+    if 'NotImplementedError: exercise' in run.stderr:  # a student copy
+        pytest.skip(f"worked_step.py runs the solutions of exercises 1-3 and 6: {run.stderr.splitlines()[-1]}")
+    assert run.returncode == 0, run.stderr
+    for part in ('1. Reward', '2. Advantage', 'gigpo adds', '3-4. First pass', '5. The weight', 'A second pass'):
+        assert part in run.stdout, part
+    assert f'{1 / 68:.4f}' in run.stdout  # bnpo: each of the 68 sampled tokens weighs 1/68
 
 
 def test_help_shows_the_true_defaults():
@@ -821,6 +846,14 @@ def test_group_advantages_by_hand():
     assert spread(torch.tensor([1.0, 1.0]), 2) == []
 
 
+def test_group_advantages_without_spread_are_exactly_zero():
+    # the float mean of eight equal rewards is not exactly them; divided by a std near 0 that would be a signal
+    flat = [record(2, 0.5 * (1 / 3)) for _ in range(8)]
+    for estimator in ('grpo', 'rloo'):
+        scores = grpo.score(flat, [], [1.0], use_gym_env=True, group_size=8, beta=0.0, estimator=estimator)
+        assert scores.trained == [] and not scores.turn_advantages.any(), estimator
+
+
 def test_token_loss_by_hand():
     mask = torch.tensor([[0, 1, 1, 1]])
     old = torch.zeros(1, 4)
@@ -927,6 +960,8 @@ def test_gigpo_trains_walks_that_differ_where_the_episodes_do_not():
         return t
     group = [walk([[0, 0], [0, 1]], [0.0, 1.0]), walk([[0, 0], [1, 0], [1, 1]], [0.0, 0.0, 1.0])]
     assert grpo.step_advantages(group, 2, 0.95, 'none')[:, 0].tolist() == pytest.approx([0.95 - 0.92625, 0.9025 - 0.92625])
+    walks = [walk([[0, 0]], [0.95]) for _ in range(7)]  # equal returns from one cell: exactly 0, not rounding
+    assert not grpo.step_advantages(walks, 7, gamma=0.95, scale='group').any()
     plain = grpo.score(group, [], [1.0], use_gym_env=True, group_size=2, beta=0.0)
     gigpo = grpo.score(group, [], [1.0], use_gym_env=True, group_size=2, beta=0.0, estimator='gigpo')
     assert plain.trained == [] and gigpo.trained == [0, 1]

@@ -33,7 +33,7 @@ from config import Args, check_args, parse_args
 from engines import Colocated, RolloutClient, embedded_model, make_engine, quiet
 from env import UserError
 from logs import RunLog
-from scheduler import ExpertScheduler, multi_turns
+from scheduler import ExpertScheduler, make_scheduler
 
 
 # ---------------------------------------------------------------- models, rollouts, checkpoints
@@ -89,7 +89,7 @@ def load_models(args: Args, device: torch.device, rank: int = 0):
         print(f'model: {start} ({args.tuner_type}), trainable parameters: {sum(p.numel() for p in trainable):,} '
               f'of {sum(p.numel() for p in model.parameters()):,}')
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=0.0)
-    if state:
+    if state and 'optimizer' in state:  # (none with --save_only_model: AdamW starts afresh)
         optimizer.load_state_dict(state['optimizer'])
         if rank == 0:
             print(f"resumed from {path} at step {state['step']}")
@@ -111,16 +111,16 @@ def make_rollouts(args: Args, model, tokenizer, rank: int = 0):
     engine = make_engine(args.engine, model.name_or_path, model, tokenizer, seed=args.seed + rank,
                          max_model_len=args.vllm_max_model_len, kv_cache_gib=args.vllm_kv_cache_gib,
                          gpu_memory_utilization=args.vllm_gpu_memory_utilization, dtype=args.torch_dtype)
-    scheduler = multi_turns[args.multi_turn_scheduler](engine, args.max_turns, tokenizer=tokenizer, gym_env=args.gym_env,
-                                                       max_completion_length=args.max_completion_length,
-                                                       max_model_len=args.vllm_max_model_len)
+    scheduler = make_scheduler(args.multi_turn_scheduler, engine, tokenizer, max_turns=args.max_turns,
+                               gym_env=args.gym_env, max_model_len=args.vllm_max_model_len,
+                               max_completion_length=args.max_completion_length)
     rollouts = Colocated(engine, scheduler)
     if hasattr(model, 'peft_config'):  # the engine loaded the base model; the adapters may not be zero
         rollouts.load_weights(model)
     return rollouts
 
 
-def save_checkpoint(model, tokenizer, optimizer, step: int, output_dir: str):
+def save_checkpoint(model, tokenizer, optimizer, step: int, output_dir: str, only_model: bool = False):
     """Write checkpoint-STEP beside the old one, then flip `latest` to it with an atomic rename:
     a kill at any moment leaves `latest` pointing at a whole checkpoint."""
     final = os.path.join(output_dir, f'checkpoint-{step}')
@@ -128,7 +128,8 @@ def save_checkpoint(model, tokenizer, optimizer, step: int, output_dir: str):
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    torch.save({'optimizer': optimizer.state_dict(), 'step': step}, os.path.join(tmp, 'trainer_state.pt'))
+    state = {'step': step} if only_model else {'step': step, 'optimizer': optimizer.state_dict()}
+    torch.save(state, os.path.join(tmp, 'trainer_state.pt'))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     latest = os.path.join(output_dir, 'latest')
@@ -142,77 +143,89 @@ def save_checkpoint(model, tokenizer, optimizer, step: int, output_dir: str):
 
 # ---------------------------------------------------------------- the update
 
+SUMS = ('loss', 'kl', 'clipped', 'entropy', 'gap', 'is_clipped', 'computed')  # what a pass adds up
+
+
 def train_step(model, ref_model, optimizer, trajectories, scores: grpo.Scores, args: Args, pad_id: int) -> dict:
     """README "The algorithm", steps 3-5, on this process's share of the step's trajectories:
-    1. count what the normalisers divide by, over every process (`grpo.Counts`);
-    2. logp_old (with --num_iterations > 1) and the KL anchor's logprobs, without gradients;
-    3. one pass over the micro-batches of the trajectories that train: per-token losses,
-       `grpo.aggregate`, backward; the gradients add up to the whole batch's;
-    4. add the gradients up over the processes, clip, one optimizer step; --num_iterations
-       passes in all. The first pass also measures the trajectories that do not train, so that
-       `entropy` and `logprob_gap` cover every valid sampled token.
-    Returns the step's stats; `updated` is False when no process had anything to train."""
-    device, world = model.device, dist.get_world_size() if dist.is_initialized() else 1
+    1. the normalisers' counts over every process (grpo.Counts), and the micro-batches;
+    2. logp_old and the KL anchor's logprobs, without gradients (`anchors`);
+    3. a pass over the micro-batches that train: per-token losses, one number each, backward;
+       the first pass also measures those that do not, so that `entropy` and `logprob_gap`
+       cover every valid sampled token (`one_pass`, `measure`);
+    4. the gradients added up over the processes, clipped, one optimizer step (`reduce_and_clip`);
+       3-4 once per --num_iterations. `updated` says whether any process had anything to train."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
     counts = grpo.Counts(*all_sum(torch.tensor(dataclasses.astuple(grpo.count(trajectories, scores)),
-                                               dtype=torch.float64, device=device), world).tolist())
+                                               dtype=torch.float64, device=model.device), world).tolist())
     budget = args.rows_per_step * args.num_generations * args.max_turns * args.max_completion_length
-    denominator = counts.denominator(args.loss_type, budget)
-    tokens, sampled = max(counts.tokens, 1.0), max(counts.sampled, 1.0)
-    rest = [i for i, t in enumerate(trajectories)  # valid, with sampled tokens, not trained: measured only
-            if scores.valid[i] and t.num_sampled and i not in set(scores.trained)]
-    share = args.share_prompt and can_share_prompt(model)
-    batches = [b.to(device) for b in grpo.micro_batches([trajectories[i] for i in scores.trained],
-                                                        scores.turn_advantages[scores.trained],
-                                                        size=args.micro_batch_size, pad_id=pad_id, share_prompt=share)]
-    measured = [b.to(device) for b in grpo.micro_batches([trajectories[i] for i in rest], torch.zeros(len(rest)),
-                                                         size=args.micro_batch_size, pad_id=pad_id, share_prompt=share)]
+    trained, measured = step_batches(model, trajectories, scores, args, pad_id)
+    stats = {'loss': 0.0, 'kl': 0.0, 'clip_ratio': 0.0, 'grad_norm': 0.0, 'skipped': 0, 'updated': counts.trained > 0}
+    if not counts.trained:  # nothing trains anywhere: no optimizer step (Adam's momentum would still move)
+        sums = dict(zip(SUMS, all_sum(measure(model, measured, args), world).tolist()))
+        return {**stats, 'entropy': sums['entropy'] / max(counts.sampled, 1), 'is_clipped': 0.0,
+                'logprob_gap': sums['gap'] / max(counts.sampled, 1)}
     model.train()  # gradient checkpointing is active in train mode only (Llama has no dropout)
-    old, ref = anchors(model, ref_model, batches, args)
-    stats = {'loss': 0.0, 'kl': 0.0, 'clip_ratio': 0.0, 'entropy': 0.0, 'logprob_gap': 0.0, 'is_clipped': 0.0,
-             'grad_norm': 0.0, 'skipped': 0, 'updated': counts.trained > 0}
-    is_weights = [None] * len(batches)
-    for iteration in range(args.num_iterations if stats['updated'] else 0):
+    old, ref = anchors(model, ref_model, trained, args)
+    is_weights, passes = [None] * len(trained), args.num_iterations
+    for iteration in range(passes):
         optimizer.zero_grad(set_to_none=True)
-        sums = torch.zeros(6, dtype=torch.float64, device=device)  # loss, kl, clipped, entropy, gap, is_clipped
-        for k, b in enumerate(batches):
-            with precision(args, device):
-                logprobs, entropies = grpo.token_logprobs(model, b, args.temperature)  # (b, T)
-            old_k = old[k] if old else logprobs.detach()
-            if args.rollout_importance_sampling_mode and iteration == 0:  # trainer vs engine, at rollout time
-                is_weights[k], over = grpo.rollout_is_weights(old_k, b.engine_logprobs, b.loss_mask,
-                                                              args.rollout_importance_sampling_mode,
-                                                              args.rollout_importance_sampling_threshold)
-                sums[5] += over.sum()
-            per_token, kl, clipped = grpo.token_loss(
-                logprobs, old_k, b.advantages, b.loss_mask, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
-                beta=args.beta, ref_logprobs=ref[k] if ref else None, level=args.importance_sampling_level,
-                is_weights=is_weights[k])
-            loss = grpo.aggregate(per_token, b.loss_mask, b.trajectory_tokens, args.loss_type, denominator)
-            loss.backward()
-            sums[:5] += torch.stack([loss.detach(), (kl.detach() * b.loss_mask).sum(), (clipped * b.loss_mask).sum(),
-                                     (entropies * b.loss_mask).sum(), gap(logprobs, b)])
-        if iteration == 0:
-            sums[3:5] += measure(model, measured, args)
-        sums = all_sum(sums, world)
+        sums = one_pass(model, trained, old, ref, is_weights, counts.denominator(args.loss_type, budget), args)
+        sums = dict(zip(SUMS, all_sum(sums + measure(model, measured if iteration == 0 else [], args), world).tolist()))
         if iteration == 0:  # later passes see weights the engine never sampled from
-            stats.update(entropy=sums[3].item() / sampled, logprob_gap=sums[4].item() / sampled,
-                         is_clipped=sums[5].item() / tokens)
-        stats['kl'] += sums[1].item() / tokens / args.num_iterations
-        stats['clip_ratio'] += sums[2].item() / tokens / args.num_iterations
+            stats.update(entropy=sums['entropy'] / max(counts.sampled, 1), logprob_gap=sums['gap'] / max(counts.sampled, 1),
+                         is_clipped=sums['is_clipped'] / max(sums['computed'], 1))
+        stats['kl'] += sums['kl'] / max(counts.tokens, 1) / passes
+        stats['clip_ratio'] += sums['clipped'] / max(counts.tokens, 1) / passes
         grad_norm = reduce_and_clip(model, args.max_grad_norm, world)
         if not torch.isfinite(grad_norm):  # the same on every process
-            print(f'warning: non-finite loss ({sums[0].item()}) or gradient norm; update skipped, weights unchanged')
+            print(f"warning: non-finite loss ({sums['loss']}) or gradient norm; update skipped, weights unchanged")
             optimizer.zero_grad(set_to_none=True)
             stats['skipped'] += 1
             continue
         optimizer.step()
-        stats['loss'] += sums[0].item() / args.num_iterations
+        stats['loss'] += sums['loss'] / passes
         stats['grad_norm'] = grad_norm.item()
-    if not stats['updated']:  # nothing trains anywhere: still say how sure the policy is
-        sums = all_sum(measure(model, measured, args), world)
-        stats.update(entropy=sums[0].item() / sampled, logprob_gap=sums[1].item() / sampled)
     model.eval()
     return stats
+
+
+def step_batches(model, trajectories, scores: grpo.Scores, args: Args, pad_id: int):
+    """(the micro-batches that train, those only measured: valid, with sampled tokens, not trained),
+    on the model's device."""
+    rest = [i for i, t in enumerate(trajectories) if scores.valid[i] and t.num_sampled and i not in scores.trained]
+    packed = args.share_prompt and can_share_prompt(model)
+    return ([b.to(model.device) for b in grpo.micro_batches([trajectories[i] for i in rows], advantages,
+                                                            size=args.micro_batch_size, pad_id=pad_id,
+                                                            share_prompt=packed)]
+            for rows, advantages in ((scores.trained, scores.turn_advantages[scores.trained]),
+                                     (rest, torch.zeros(len(rest)))))
+
+
+def one_pass(model, batches, old, ref, is_weights, denominator: float, args: Args) -> torch.Tensor:
+    """Forward and backward over the micro-batches that train; returns the pass's SUMS. The rollout
+    importance weights are computed in the first pass (they compare the engine with the policy
+    that sampled) and kept for the later ones (is_weights, filled in place)."""
+    sums = torch.zeros(len(SUMS), dtype=torch.float64, device=model.device)
+    for k, b in enumerate(batches):
+        with precision(args, model.device):
+            logprobs, entropies = grpo.token_logprobs(model, b, args.temperature)  # (b, T)
+        old_k = old[k] if old else logprobs.detach()  # one pass: logp_old is logp itself, ratio 1
+        over = torch.zeros_like(b.loss_mask, dtype=torch.bool)
+        if args.rollout_importance_sampling_mode and is_weights[k] is None:
+            is_weights[k], over = grpo.rollout_is_weights(old_k, b.engine_logprobs, b.loss_mask,
+                                                          args.rollout_importance_sampling_mode,
+                                                          args.rollout_importance_sampling_threshold)
+        per_token, kl, clipped = grpo.token_loss(
+            logprobs, old_k, b.advantages, b.loss_mask, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
+            beta=args.beta, ref_logprobs=ref[k] if ref else None, level=args.importance_sampling_level,
+            is_weights=is_weights[k])
+        loss = grpo.aggregate(per_token, b.loss_mask, b.trajectory_tokens, args.loss_type, denominator)
+        loss.backward()
+        mask = b.loss_mask
+        sums += torch.stack([loss.detach(), (kl.detach() * mask).sum(), (clipped * mask).sum(),
+                             (entropies * mask).sum(), gap(logprobs, b), (over * mask).sum(), mask.sum()]).double()
+    return sums
 
 
 def anchors(model, ref_model, batches, args: Args):
@@ -229,12 +242,12 @@ def anchors(model, ref_model, batches, args: Args):
 
 
 def measure(model, batches, args: Args) -> torch.Tensor:
-    """(entropy sum, logprob-gap sum) over the sampled tokens of micro-batches that do not train."""
-    sums = torch.zeros(2, dtype=torch.float64, device=model.device)
+    """SUMS of the micro-batches that do not train: their entropy and logprob gap, no gradients."""
+    sums = torch.zeros(len(SUMS), dtype=torch.float64, device=model.device)
     with torch.no_grad(), precision(args, model.device):
         for b in batches:
             logprobs, entropies = grpo.token_logprobs(model, b, args.temperature)
-            sums += torch.stack([(entropies * b.loss_mask).sum(), gap(logprobs, b)])
+            sums[3:5] += torch.stack([(entropies * b.loss_mask).sum(), gap(logprobs, b)]).double()
     return sums
 
 
@@ -282,8 +295,9 @@ def reduce_and_clip(model, max_norm: float, world: int) -> torch.Tensor:
 def warm_start(model, optimizer, rows, args: Args, tokenizer, rank: int = 0, world: int = 1):
     """--warm_start_steps supervised steps on games the env's expert plays on the training rows
     (scheduler.ExpertScheduler): the update with every advantage 1, one pass, the bnpo normaliser
-    and temperature 1, so that the loss is the replies' mean negative log-likelihood under the
-    model itself and its gradient the supervised one (SCOUT, arXiv 2601.21754, warms up so)."""
+    and temperature 1. The ratio is then 1, so the loss's gradient is that of the replies' mean
+    negative log-likelihood under the model itself (the loss's value is -1; the log-likelihood is
+    what logprob_gap shows, the expert's logprobs being 0). SCOUT (arXiv 2601.21754) warms up so."""
     expert = Colocated(None, ExpertScheduler(None, args.max_turns, tokenizer=tokenizer, gym_env=args.gym_env,
                                              max_model_len=args.vllm_max_model_len))
     supervised = dataclasses.replace(args, num_iterations=1, beta=0.0, rollout_importance_sampling_mode=None,
@@ -380,7 +394,7 @@ def main(args: Args):
         warm_start(model, optimizer, rows, args, tokenizer, rank, world)
         rollouts.load_weights(model)
         if rank == 0 and not args.max_steps:  # a warm start alone is kept as checkpoint-0
-            save_checkpoint(model, tokenizer, optimizer, 0, args.output_dir)
+            save_checkpoint(model, tokenizer, optimizer, 0, args.output_dir, args.save_only_model)
     for step in log.progress(range(start_step + 1, args.max_steps + 1), start_step, args.max_steps):
         # ---- 1. rollout: this step's rows, a group of trajectories each ----
         t0 = time.time()
@@ -406,7 +420,7 @@ def main(args: Args):
         if args.eval_steps and step % args.eval_steps == 0 and step != args.max_steps:
             evaluation(step, 'during')
         if rank == 0 and (step % args.save_steps == 0 or step == args.max_steps):
-            save_checkpoint(model, tokenizer, optimizer, step, args.output_dir)
+            save_checkpoint(model, tokenizer, optimizer, step, args.output_dir, args.save_only_model)
         if world > 1:
             dist.barrier()  # a resume finds the checkpoint whole on every process
     after = evaluation(args.max_steps, 'after')

@@ -1,0 +1,121 @@
+"""One GRPO step worked by hand: `python worked_step.py` (no model, about a second).
+
+Four scripted walks play one FrozenLake map (the real env), and each formula of README's "The
+algorithm" is printed in turn, computed by the real functions of grpo.py, so this cannot drift
+from the trainer: 1. rewards and their columns; 2. advantages (GRPO's, RLOO's, and GiGPO's
+step-level ones); 3-4. the loss and which way each walk's tokens are pushed; 5. the weight
+each --loss_type gives a token; then a second pass, where the ratio moves and the clip acts.
+A reply's tokens are counted here as one per four characters (a real tokenizer would split
+differently); every number below follows from that count and the env's rewards.
+"""
+import argparse
+import asyncio
+
+import torch
+
+import grpo
+from env import RolloutInferRequest
+from frozen_lake import FrozenLakeEnv
+from trajectory import Segment, Trajectory
+
+WALKS = {  # seed 0: S at row 2, column 1; G at the bottom right; holes top left and in row 3
+    'A': ['down', 'down', 'right', 'right', 'right'],  # the shortest way to G
+    'B': ['right', 'right', 'down'],  # toward G, into the hole in row 3
+    'C': ['up'],  # straight into the hole above S
+    'D': ['hmm', 'down', 'right', 'hmm', 'hmm'],  # unreadable replies, and out of turns
+}
+PROMPT = 30  # tokens of the prompt (system message and first board), mask 0
+
+
+async def play(replies, seed=0, max_turns=5) -> Trajectory:
+    """One walk through the env, recorded as the scheduler records one (tokens counted roughly)."""
+    env = FrozenLakeEnv({'seed': seed})
+    observation, info, system = await env.reset(RolloutInferRequest([]))
+    messages = [{'role': 'system', 'content': system}, {'role': 'user', 'content': observation}]
+    infos = {'total_reward': 0.0, 'step_rewards': [], 'states': [env.state_key()], 'reset_info': info}
+    segment = Segment([0] * PROMPT, [0] * PROMPT, [0.0] * PROMPT, [0] * PROMPT)
+    stop = 'max_turns'
+    for turn, word in enumerate(replies[:max_turns], 1):
+        reply = f'<action>{word}</action>' if word in ('up', 'down', 'left', 'right') else word
+        n = len(reply) // 4 + 1  # the reply's tokens, its end-of-turn token included
+        segment.token_ids += [turn] * n
+        segment.loss_mask += [1] * n
+        segment.logprobs += [0.0] * n
+        segment.turns += [turn] * n
+        messages.append({'role': 'assistant', 'content': reply})
+        observation, reward, done, _ = await env.step(messages)
+        infos['total_reward'] += reward
+        infos['step_rewards'].append(reward)
+        infos['states'].append(env.state_key())
+        messages.append({'role': 'user', 'content': observation})
+        if done:
+            stop = 'done'
+            break
+    return Trajectory(RolloutInferRequest(messages), [segment], infos, stop, turn, messages)
+
+
+def table(title, header, rows):
+    print(f'\n{title}\n  ' + ' '.join(f'{h:>12}' for h in header))
+    for row in rows:
+        print('  ' + ' '.join(f'{v:>12.4f}' if isinstance(v, float) else f'{v!s:>12}' for v in row))
+
+
+def main(gamma: float = 0.95):
+    group = [asyncio.run(play(replies)) for replies in WALKS.values()]
+    names = list(WALKS)
+    table('The group: one map, four walks', ['walk', 'replies', 'tokens', 'ends', 'cells'],
+          [(k, t.num_turns, t.num_sampled, t.stop_reason, ' '.join(f'{r}{c}' for r, c in t.rollout_infos['states']))
+           for k, t in zip(names, group)])
+
+    scores = grpo.score(group, ['progress'], [0.5, 1.0], use_gym_env=True, group_size=4, beta=0.0)
+    table('1. Reward: r = 0.5 progress + 1 gym', ['walk', 'progress', 'gym', 'r'],
+          [(k, *c.tolist(), r) for k, c, r in zip(names, scores.columns, scores.rewards.tolist())])
+
+
+    rloo = grpo.group_advantages(scores.rewards, 4, estimator='rloo', scale='none')
+    table('2. Advantage: grpo (r - mean) / (sample std + 1e-4); rloo: r - the mean of the others',
+          ['walk', 'grpo', 'rloo'], zip(names, scores.advantages.tolist(), rloo.tolist()))
+    step = grpo.step_advantages(group, 4, gamma=gamma, scale='group')
+    table(f'   gigpo adds, per turn: its return against the turns from the same cell (gamma {gamma})',
+          ['walk'] + [f'turn {k + 1}' for k in range(step.shape[1])],
+          [(k, *[f'{v:+.3f}' if j < t.num_turns else '' for j, v in enumerate(row.tolist())])
+           for k, t, row in zip(names, group, step)])
+
+    (b,) = grpo.micro_batches(group, scores.turn_advantages, size=4, pad_id=0)  # shortest first
+    order = [names[group.index(t)] for t in sorted(group, key=lambda t: len(t.segments[0].token_ids))]
+    counts, budget = grpo.count(group, scores), 4 * 5 * 16  # dr_grpo: trajectories x max_turns x 16 tokens
+
+    def first(x, i):  # row i's value at its first sampled token
+        return x[i][b.loss_mask[i].bool()][0].item()
+    logprobs = torch.full(b.loss_mask.shape, -0.5, requires_grad=True)  # any values: ratio 1 in a first pass
+    per_token, _, _ = grpo.token_loss(logprobs, logprobs.detach(), b.advantages, b.loss_mask)
+    loss = grpo.aggregate(per_token, b.loss_mask, b.trajectory_tokens, 'bnpo', counts.denominator('bnpo', 0))
+    loss.backward()
+    table(f'3-4. First pass: ratio 1, L_t = -A; the bnpo loss is {loss.item():+.4f}; gradient descent makes '
+          'each walk\'s tokens', ['walk', 'A', 'd loss/d logp', ''],
+          [(k, first(b.advantages, i), first(logprobs.grad, i), 'likelier' if first(logprobs.grad, i) < 0
+            else 'less likely') for i, k in enumerate(order)])
+
+    rows = []
+    for loss_type in ('bnpo', 'grpo', 'dr_grpo'):
+        values = torch.zeros_like(b.advantages, requires_grad=True)  # per-token losses L_t
+        grpo.aggregate(values, b.loss_mask, b.trajectory_tokens, loss_type,
+                       counts.denominator(loss_type, budget)).backward()  # d loss / d L_t: the token's weight
+        rows.append([loss_type] + [first(values.grad, i) for i in range(4)])
+    table(f'5. The weight of one sampled token ({counts.tokens:.0f} tokens, {counts.trajectories:.0f} '
+          f'trajectories, dr_grpo budget {budget})', ['loss_type'] + order, rows)
+
+    shift = torch.tensor([[-0.3], [0.1], [0.3], [0.3]]) * b.advantages.sign()  # C moved the wrong way
+    moved = (logprobs.detach() + shift).requires_grad_()
+    per_token, _, clipped = grpo.token_loss(moved, logprobs.detach(), b.advantages, b.loss_mask, epsilon=0.2)
+    grpo.aggregate(per_token, b.loss_mask, b.trajectory_tokens, 'bnpo', counts.denominator('bnpo', 0)).backward()
+    table('   A second pass (--num_iterations 2), the ratios moved: where min() takes the clipped term, '
+          'no gradient', ['walk', 'A', 'ratio', 'clipped', 'd loss/d logp'],
+          [(k, first(b.advantages, i), first(torch.exp(moved - logprobs), i), bool(first(clipped, i)),
+            first(moved.grad, i)) for i, k in enumerate(order)])
+
+
+if __name__ == '__main__':
+    parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    parser.add_argument('--gamma', type=float, default=0.95, help="GiGPO's discount (default: 0.95)")
+    main(parser.parse_args().gamma)
