@@ -53,6 +53,7 @@ import torch  # noqa: E402  (after parsing, so that --help is instant)
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import frozen_lake  # noqa: E402  (registers envs['frozen_lake'])
+import batching  # noqa: E402
 import grpo  # noqa: E402
 import train  # noqa: E402
 from config import Args  # noqa: E402
@@ -110,7 +111,7 @@ if cli.part == 'update':
     for checkpointing in (True, False):
         model.gradient_checkpointing_enable() if checkpointing else model.gradient_checkpointing_disable()
         for share in (False, True):
-            batches = grpo.micro_batches(trajectories, scores.turn_advantages, size=cli.micro_batch_size, pad_id=0,
+            batches = batching.micro_batches(trajectories, scores.turn_advantages, size=cli.micro_batch_size, pad_id=0,
                                          share_prompt=share)
             computed = sum(b.input_ids.numel() for b in batches)  # what the model reads, padding included
             step_args = Args(share_prompt=share, gradient_checkpointing=checkpointing, micro_batch_size=cli.micro_batch_size)

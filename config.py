@@ -40,7 +40,9 @@ class Args:
     dataset: str = flag('data.jsonl', 'JSONL rows with messages and env_config')
     split_dataset_ratio: float = flag(0.1, 'share of --dataset held out for evaluation, for envs '
                                       'without held-out rows of their own')
-    max_turns: int = flag(10, "most model replies per trajectory (server mode: must equal the server's)")
+    max_turns: int = flag(10, 'most model replies per trajectory, tool calls included (server mode: '
+                          "must equal the server's)")
+    tool_timeout: float = flag(10.0, 'seconds a tool may take before its call is answered with an error')
     # ---- model, engine, device ----
     model: Optional[str] = flag(None, 'local folder or hub id; not given: the embedded '
                                 'SmolLM2-135M-Instruct')
@@ -173,6 +175,7 @@ LIMITS = {  # flag: (lowest allowed, what it means)
     'eval_temperature': (0, 'not negative'), 'vllm_kv_cache_gib': (0, 'not negative'),
     'max_resample_times': (0, 'not negative'), 'rollout_importance_sampling_threshold': (1, 'at least 1'),
     'lora_rank': (1, 'at least 1'), 'lora_alpha': (1, 'at least 1'), 'vllm_max_model_len': (2, 'at least 2'),
+    'tool_timeout': (0, 'not negative'),
 }
 
 CHOICES = {

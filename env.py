@@ -53,7 +53,8 @@ class Env(ABC):
     """
 
     # ---- optional task rules, read by train.py only (ms-swift ignores them) ----
-    default_reward_funcs: Dict[str, float] = {}  # extra reward columns and weights when no --reward_funcs is given
+    default_reward_funcs: Dict[str, float] = {}  # extra reward columns and weights, unless --reward_funcs
+    tools: List[str] = []  # names in tools.tools this env's trajectories may call (a row's `tools` overrides)
 
     @classmethod
     def eval_rows(cls, n: int, env_config: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
@@ -73,9 +74,10 @@ class Env(ABC):
         that start from equal keys. None: the observation text stands for the state."""
         return None
 
-    def expert_reply(self) -> Optional[str]:
-        """What an expert would reply now (the conformance check plays it; a warm start could
-        learn from it). None: the env has no expert."""
+    def expert_reply(self, messages: Messages) -> Optional[str]:
+        """What an expert would reply now, the conversation so far being `messages` (its last
+        message is the env's observation, or a tool's answer). The conformance check plays it;
+        --warm_start_steps learns from it. None: the env has no expert."""
         return None
 
     # ---- the interface of the document ----

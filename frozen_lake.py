@@ -227,7 +227,7 @@ class FrozenLakeEnv(Env):
     def state_key(self):
         return self.row, self.col  # the map is the group's: the cell is the state
 
-    def expert_reply(self):
+    def expert_reply(self, messages=None):
         return f'<action>{shortest_path(self.grid, (self.row, self.col))[0]}</action>'
 
     async def close(self):

@@ -9,16 +9,14 @@ are the README's "The algorithm", steps 1-6, in that order:
 5. `aggregate`: the per-token losses summed and divided by `--loss_type`'s normaliser, whose
    count (`Counts`) is the whole batch's, so micro-batches and processes add up to one batch.
 6. `Scores.trained`: which trajectories the update computes (the others add nothing).
-Then `micro_batches` and `token_logprobs`: the segments as model inputs, and the trainer's
-logprobs (and entropies) of exactly the sampled tokens.
+The trajectories become model inputs, and the trainer's logprobs, in batching.py.
 Left out: entropy bonuses, REINFORCE++, reward models.
 """
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from env import reward_funcs
 
@@ -230,129 +228,3 @@ def rollout_is_weights(old_logprobs, engine_logprobs, loss_mask, mode: str, thre
     over = (w > threshold) & loss_mask.bool()
     w = w.clamp(max=threshold) if mode.endswith('truncate') else w * ~over
     return w, over
-
-
-# ---------------------------------------------------------------- micro-batches and token logprobs
-
-@dataclass
-class MicroBatch:
-    """The segments of one forward/backward and what the loss needs of them: every (b, T) tensor
-    holds one segment a row, right-padded; the model's own input may be packed (`pack`)."""
-    input_ids: torch.Tensor  # (R, P) what the model reads: the b segments, or them packed into R = 1 row
-    attention_mask: torch.Tensor  # (R, P), or (1, 1, P, P) when packed
-    position_ids: Optional[torch.Tensor]  # (R, P) when packed; None: 0, 1, 2, ... in each row
-    predictor: torch.Tensor  # (b, T) the input position (flattened R x P) whose output predicts each token
-    targets: torch.Tensor  # (b, T) each segment's token ids
-    loss_mask: torch.Tensor  # (b, T) 1 on sampled tokens
-    engine_logprobs: torch.Tensor  # (b, T) the engine's logprobs of the sampled tokens
-    advantages: torch.Tensor  # (b, T) each sampled token's advantage
-    trajectory_tokens: torch.Tensor  # (b, 1) the sampled tokens of each row's whole trajectory
-
-    def to(self, device) -> 'MicroBatch':
-        """The same batch with every tensor on `device` (the model's)."""
-        return MicroBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
-                             for f in fields(self)})
-
-
-MAX_PACKED = 2048  # tokens of a packed row: its attention is a P x P matrix per head and layer
-
-
-def shared_prefix(a, b) -> int:
-    """The length of the longest common prefix of two token lists."""
-    return next((p for p, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def pack(segments):
-    """(input_ids (1, P), 4D attention mask, position_ids (1, P), predictor (b, T)) of the segments
-    packed into one row in which every distinct prefix appears once: each segment adds only what
-    follows its longest common prefix with the one before (sorted segments make this a prefix
-    tree in depth-first order). A token attends to its own segment's earlier tokens, at the
-    positions it has there, so every output equals the plain forward's, and a group's shared
-    prompt is computed once, gradients included (Prefix Grouper, arXiv 2506.05433, shares one
-    prefix per group; the tree also shares the system prompt across groups)."""
-    tokens, positions, rows, cols, predictor = [], [], [], [], []
-    before, path = [], []  # the previous segment, and where each of its tokens sits in the row
-    width = max(len(s.token_ids) for s in segments)
-    for s in segments:
-        x = s.token_ids
-        shared = shared_prefix(before, x)
-        path = path[:shared] + list(range(len(tokens), len(tokens) + len(x) - shared))
-        for p in range(shared, len(x)):  # a new token sees the tokens of its segment up to itself
-            rows += [path[p]] * (p + 1)
-            cols += path[:p + 1]
-        tokens += x[shared:]
-        positions += range(shared, len(x))
-        predictor.append([0] + [path[t - 1] for t in range(1, len(x))] + [0] * (width - len(x)))  # token t from t-1
-        before = x
-    mask = torch.full((len(tokens), len(tokens)), torch.finfo(torch.float32).min)
-    mask[rows, cols] = 0.0  # (P, P): 0 where attention is allowed
-    return torch.tensor([tokens]), mask[None, None], torch.tensor([positions]), torch.tensor(predictor)
-
-
-def micro_batches(trajectories, advantages: torch.Tensor, *, size: int, pad_id: int,
-                  share_prompt: bool = False) -> List[MicroBatch]:
-    """Every segment of the trajectories, `size` at a time. advantages: (N, T), each trajectory's
-    per turn (a sampled token takes its turn's), or (N,), one per trajectory. share_prompt: sort
-    by token ids, so that a group's members (which share their prompt) are neighbours, and pack
-    each micro-batch (`pack`); otherwise shortest first, for less padding."""
-    rows = [(i, s) for i, t in enumerate(trajectories) for s in t.segments]
-    rows.sort(key=(lambda row: row[1].token_ids) if share_prompt else (lambda row: len(row[1].token_ids)))
-    per_turn = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)  # (N, T)
-    chunks, packed = [], 0  # at most `size` segments a micro-batch; packed, at most MAX_PACKED tokens
-    for k, (i, s) in enumerate(rows):
-        new = len(s.token_ids) - (shared_prefix(rows[k - 1][1].token_ids, s.token_ids) if k and share_prompt else 0)
-        if not chunks or len(chunks[-1]) == size or (share_prompt and packed + new > MAX_PACKED):
-            chunks.append([])
-            new, packed = len(s.token_ids), 0
-        chunks[-1].append((i, s))
-        packed += new
-    batches = []
-    for chunk in chunks:
-        width = max(len(s.token_ids) for _, s in chunk)
-
-        def pad(values, fill):
-            return torch.tensor([getattr(s, values) + [fill] * (width - len(s.token_ids)) for _, s in chunk])
-        targets = pad('token_ids', pad_id)  # (b, T)
-        if share_prompt:
-            input_ids, attention_mask, position_ids, predictor = pack([s for _, s in chunk])
-        else:
-            input_ids, position_ids = targets, None
-            attention_mask = torch.tensor([[1] * len(s.token_ids) + [0] * (width - len(s.token_ids)) for _, s in chunk])
-            predictor = torch.arange(targets.numel()).view(targets.shape) - 1  # (b, T): the position before
-        batches.append(MicroBatch(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, predictor=predictor,
-            targets=targets, loss_mask=pad('loss_mask', 0), engine_logprobs=pad('logprobs', 0.0),
-            advantages=per_turn[[i for i, _ in chunk]].gather(1, (pad('turns', 0) - 1).clamp(0, per_turn.shape[1] - 1)),
-            trajectory_tokens=torch.tensor([[float(trajectories[i].num_sampled)] for i, _ in chunk])))
-    return batches
-
-
-def token_logprobs(model, batch: MicroBatch, temperature: float = 1.0, chunk: int = 256):
-    """(logprobs, entropies), both (b, T): each sampled token's log-probability under the model,
-    softmax(logits / temperature), and the entropy of that distribution at its position (what
-    TRL logs as `entropy`); 0 where loss_mask is 0. The entropies carry no gradient.
-
-    The vocabulary is large (49,152 for SmolLM2), so logits are computed only where a token was
-    sampled, `chunk` rows at a time under activation checkpointing: memory is then chunk x vocab,
-    not batch x length x vocab.
-    """
-    # BEGIN SOLUTION exercise 4: token logprobs
-    hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                                 position_ids=batch.position_ids, use_cache=False).last_hidden_state  # (R, P, H)
-    picked = batch.loss_mask.bool()  # (b, T)
-    h, targets = hidden.flatten(0, 1)[batch.predictor[picked]], batch.targets[picked]  # (M, H), (M,)
-    head = model.get_output_embeddings()
-
-    def chunk_logprobs(h, targets):
-        logp = (head(h).float() / temperature).log_softmax(-1)  # (c, V)
-        return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)  # (c,), (c,)
-
-    pieces = [checkpoint(chunk_logprobs, h[i:i + chunk], targets[i:i + chunk], use_reentrant=False)
-              for i in range(0, len(targets), chunk)]
-    logprobs = torch.zeros(batch.targets.shape, dtype=torch.float32, device=batch.targets.device)  # (b, T)
-    entropies = torch.zeros_like(logprobs)
-    if pieces:
-        logprobs[picked] = torch.cat([p[0] for p in pieces])
-        entropies[picked] = torch.cat([p[1] for p in pieces]).detach()
-    return logprobs, entropies
-    # END SOLUTION

@@ -27,9 +27,21 @@ from trajectory import Trajectory
 
 
 def valid_share(trajectories) -> Optional[float]:
-    """Share of env steps whose info does not say `status: invalid`; None when the env reports no status."""
-    statuses = [i['status'] for t in trajectories for i in t.rollout_infos.get('step_infos', []) if 'status' in i]
+    """Share of env steps (tool calls aside) whose info does not say `status: invalid`; None when
+    the env reports no status."""
+    statuses = [i['status'] for t in trajectories for i in t.rollout_infos.get('step_infos', [])
+                if i.get('status', 'tool_call') != 'tool_call']
     return sum(s not in INVALID for s in statuses) / len(statuses) if statuses else None
+
+
+def tool_use(trajectories) -> dict:
+    """TRL's tools/call_frequency (tool calls per trajectory) and tools/failure_frequency (the
+    share of calls answered with an error), when some trajectory could call a tool."""
+    if not any(t.rollout_infos.get('tools') for t in trajectories):
+        return {}
+    calls = [c for t in trajectories for c in t.rollout_infos.get('tool_calls', [])]
+    return {'tools/call_frequency': len(calls) / len(trajectories),
+            'tools/failure_frequency': sum(not c['ok'] for c in calls) / len(calls) if calls else 0.0}
 
 
 def success_interval(successes: int, n: int, z: float = 1.96):
@@ -56,7 +68,7 @@ def evaluate(rollouts, rows, env_cls, temperature: float, chunk: int = 32, progr
     if None not in wins:
         low, high = success_interval(sum(wins), len(wins))
         result.update({'success': sum(wins) / len(wins), 'success_low': low, 'success_high': high})
-    return {**result, 'valid_actions': valid_share(trajectories),
+    return {**result, 'valid_actions': valid_share(trajectories), **tool_use(trajectories),
             'turns': sum(t.num_turns for t in trajectories) / len(trajectories), 'examples': trajectories[:2],
             'games': [t.rollout_infos for t in trajectories[:GAMES_SHOWN]]}
 
@@ -142,6 +154,7 @@ class RunLog:
             'valid_actions': valid_share(trajectories),
             'turns': sum(t.num_turns for t in trajectories) / len(trajectories),
             'sampled_tokens': sum(t.num_sampled for t in trajectories),
+            **tool_use(trajectories),
             **stats,
         }
         self._write(record)

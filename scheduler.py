@@ -1,13 +1,12 @@
 """Multi-turn rollouts: ms-swift's hook-based `MultiTurnScheduler` and its `multi_turns` registry,
-the document's `GYMScheduler` and three example schedulers.
+the document's `GYMScheduler` (with the tool loop) and three example schedulers.
 
-Implements "启动训练" and "2. GYMScheduler 的 hook 实现" of the GYM-env document. The hooks, their
-order and what each may return are in the README ("Write your own scheduler"), where ours differ
-from ms-swift's in docs/ms-swift.md. One turn of one trajectory (`_play_turn`):
-1. the engine replies (the live trajectories' prompts go to it together, in one batched call);
-2. the reply joins the conversation: a new assistant message, or the end of the last one;
-3. `on_turn_end` (GYMScheduler: env.step) or `check_finished` says whether the game is over;
-4. if not, `step` makes the next request and the token record follows the new conversation.
+Implements "启动训练" and "2. GYMScheduler 的 hook 实现" of the GYM-env document; the hooks, in
+the order they run, are in README "Write your own scheduler" (how they differ from ms-swift's:
+docs/ms-swift.md). One turn of one trajectory (`_play_turn`): the engine replies (the live
+trajectories together, one batched call); the reply joins the conversation; `on_turn_end` (the
+env's step, or a tool) or `check_finished` says whether it is over; if not, `step` makes the
+next request and the token record (trajectory.py) follows it.
 Left out: overriding ms-swift's `run` (it needs ms-swift's engine API) and ID-backed messages.
 """
 import asyncio
@@ -16,6 +15,7 @@ from copy import deepcopy
 from types import SimpleNamespace
 from typing import Any, Dict, List, Optional
 
+import tools
 from env import INVALID, Messages, RolloutInferRequest, UserError, env_name, envs
 from trajectory import TokenRecord, Trajectory
 
@@ -24,8 +24,8 @@ class MultiTurnScheduler:
     """Drives multi-turn rollouts through hooks; subclasses override the hooks, not the drivers.
     The arguments are ms-swift's (infer_engine, max_turns, tokenizer=...) plus our sampling ones."""
 
-    def __init__(self, infer_engine=None, max_turns=10, *args, tokenizer=None, max_completion_length=16,
-                 temperature=1.0, max_model_len=2048, **kwargs):
+    def __init__(self, infer_engine=None, max_turns=10, *args, tokenizer=None,
+                 max_completion_length=16, temperature=1.0, max_model_len=2048, **kwargs):
         self.infer_engine, self.max_turns, self.max_model_len = infer_engine, max_turns, max_model_len
         self.tokenizer = tokenizer or getattr(infer_engine, 'tokenizer', None)
         self.max_completion_length, self.temperature = max_completion_length, temperature
@@ -33,12 +33,12 @@ class MultiTurnScheduler:
         self._queue = []  # (trajectory, future) pairs waiting for the engine: `_generate`
 
     # ---- hooks (each may be def or async def) ----
-    async def on_trajectory_start(self, requests: List[RolloutInferRequest]) -> Optional[Dict[str, str]]:
+    async def on_trajectory_start(self, requests: List[RolloutInferRequest]):
         """Prepare each request's messages (default: the dataset row's). May return {uuid: error}
         for requests that cannot start (ours; ms-swift's returns nothing)."""
 
     async def on_turn_end(self, infer_request, response_choice, current_turn: int) -> Dict[str, Any]:
-        """Judge the newest reply: {'done': bool, 'rollout_infos': dict, 'stop_reason': str}, all optional."""
+        """Judge the newest reply: {'done', 'rollout_infos', 'stop_reason'}, each optional."""
         return {}
 
     def check_finished(self, infer_request, response_choice, current_turn: int) -> bool:
@@ -46,8 +46,8 @@ class MultiTurnScheduler:
         return response_choice.finish_reason == 'length' or current_turn >= self.max_turns
 
     def step(self, infer_request, response_choice, current_turn: int) -> Dict[str, Any]:
-        """The request for the next turn: {'infer_request': req, ...} (README, "Write your own scheduler")."""
-        raise NotImplementedError(f'{type(self).__name__} must implement step() (the request for the next turn)')
+        """The request for the next turn: {'infer_request': req, ...} (README)."""
+        raise NotImplementedError(f'{type(self).__name__} must implement step() (the next request)')
 
     async def on_trajectory_end(self, requests: List[RolloutInferRequest]) -> None:
         """Called once for every request, however its trajectory ended."""
@@ -86,10 +86,7 @@ class MultiTurnScheduler:
                 t.stop_reason = 'error'
                 t.rollout_infos = {'total_reward': 0.0, 'error': failed[t.request.uuid]}
                 continue
-            ids = self.record.prompt(t.request.messages)
-            if self._fits(len(ids)):
-                self.record.open(t, ids, t.request.messages)
-            else:
+            if not self.record.start(t, self._room()):
                 t.stop_reason = 'context_limit'
         return trajectories
 
@@ -103,18 +100,23 @@ class MultiTurnScheduler:
             self.record.add(t, sampled, [1] * len(sampled), completion.logprobs, turn)
             self.record.close_turn(t, sampled)
             return
-        before = deepcopy(t.request.messages)
+        before, sampled = deepcopy(t.request.messages), list(completion.token_ids)  # (step may edit them)
         ret = await self._hook('step', t.request, completion, turn)
         t.request = ret['infer_request']
         t.rollout_infos.update(ret.get('rollout_infos') or {})
-        self._log_step(t, before)
-        ids, mask, logprobs = self._response(ret, completion)
+        self.record.log(t, before)
+        ids, mask, logprobs = self._response(ret, completion, sampled)
         self.record.add(t, ids, mask, logprobs, turn)
         if t.request.messages[-1]['role'] != 'assistant':
             self.record.close_turn(t, ids)
-            self._follow(t, before)
-        elif not self._fits(len(t.segments[-1].token_ids)):  # the next reply continues these ids
-            t.stop_reason = 'context_limit'
+            fits = self.record.follow(t, before, self._room())
+        else:  # the next reply continues these ids
+            fits = len(t.segments[-1].token_ids) <= self._room()
+        t.stop_reason = None if fits else 'context_limit'
+
+    def _room(self) -> int:
+        """The most ids a segment may hold before a reply: a reply of the longest length must fit."""
+        return self.max_model_len - self.max_completion_length
 
     def _take_reply(self, t: Trajectory, completion, turn: int):
         """The reply as text (ms-swift's response_choice.message), added to the model's view of
@@ -122,7 +124,7 @@ class MultiTurnScheduler:
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         completion.message = SimpleNamespace(role='assistant', content=text)
         for messages in (t.request.messages, t.messages):
-            if messages[-1]['role'] == 'assistant':  # the reply continues the last assistant message
+            if messages[-1]['role'] == 'assistant':  # the reply continues the last assistant one
                 messages[-1]['content'] += text
             else:
                 messages.append({'role': 'assistant', 'content': text})
@@ -141,59 +143,22 @@ class MultiTurnScheduler:
             reason = 'max_turns' if reason == 'done' and turn >= self.max_turns else reason
         return reason if done else 'max_turns' if turn >= self.max_turns else None
 
-    def _response(self, ret: dict, completion):
+    def _response(self, ret: dict, completion, sampled: List[int]):
         """This turn's (ids, loss mask, logprobs): the sampled reply, or what step returned,
         checked: 1 only on sampled ids at their sampled positions, one logprob per such id."""
-        sampled = completion.token_ids
         ids = list(ret.get('response_token_ids') or sampled)
         mask = list(ret.get('response_loss_mask') or [1] * len(ids))
-        same = next((k for k, (a, b) in enumerate(zip(ids, sampled)) if a != b), min(len(ids), len(sampled)))
+        same = next((k for k, (a, b) in enumerate(zip(ids, sampled)) if a != b),
+                    min(len(ids), len(sampled)))  # ids[:same] are still the sampled ones
         trained = [k for k, m in enumerate(mask) if m]  # positions; each must hold the id sampled there
-        logprobs = list(ret.get('rollout_logprobs') or [completion.logprobs[k] for k in trained if k < same])
+        lp = completion.logprobs
+        logprobs = list(ret.get('rollout_logprobs') or [lp[k] for k in trained if k < same])
         if len(mask) != len(ids) or any(k >= same for k in trained) or len(logprobs) != len(trained):
             raise UserError(f'{type(self).__name__}.step: response_loss_mask must be as long as '
-                            'response_token_ids and put 1 only on sampled ids at their sampled positions '
-                            '(everything before them unchanged), and rollout_logprobs one per such id')
+                            'response_token_ids and put 1 only on sampled ids at their sampled '
+                            'positions (everything before them unchanged), and rollout_logprobs '
+                            'one per such id')
         return ids, mask, logprobs
-
-    @staticmethod
-    def _log_step(t: Trajectory, before: Messages):
-        """Add what the step hook added to the whole conversation: the messages it appended (after
-        the reply, or after a continued reply, which replaces the last one), or, when it rewrote
-        history, its newest message."""
-        after, n = t.request.messages, len(before)
-        if after[:n] == before:
-            new = after[n:]
-        elif after[:n - 1] == before[:-1] and after[n - 1:n] and after[n - 1]['role'] == 'assistant':
-            t.messages[-1], new = deepcopy(after[n - 1]), after[n:]
-        else:
-            new = after[-1:]
-        t.messages += deepcopy(new)
-
-    def _follow(self, t: Trajectory, before: Messages):
-        """The token record follows the conversation step left: when it only appended, the new
-        messages' ids (mask 0) go at the end of the segment; when it rewrote history, the segment
-        ends as it was (`before`) and a new one starts on the rewritten conversation."""
-        messages, segment = t.request.messages, t.segments[-1]
-        added = self.record.appended(t, messages)
-        if added is not None and self._fits(len(segment.token_ids) + len(added)):
-            self.record.add(t, added)
-            segment.messages = deepcopy(messages)
-            return
-        if added is not None:  # no room to answer what was added
-            t.stop_reason = 'context_limit'
-            del messages[len(segment.messages) + 1:]
-            return
-        segment.messages = before
-        ids = self.record.prompt(messages)
-        if self._fits(len(ids)):
-            self.record.open(t, ids, messages)
-        else:
-            t.stop_reason, t.request.messages = 'context_limit', before
-
-    def _fits(self, num_ids: int) -> bool:
-        """Whether a reply of the longest length still fits after num_ids tokens."""
-        return num_ids + self.max_completion_length <= self.max_model_len
 
     async def _end(self, trajectories: List[Trajectory]):
         await self._hook('on_trajectory_end', [t.request for t in trajectories])
@@ -205,8 +170,8 @@ class MultiTurnScheduler:
 
     # ---- the engine, and the hooks' calling convention ----
     async def _generate(self, t: Trajectory):
-        """Queue a trajectory for the engine; the first one queued schedules the call, which runs
-        once every coroutine that was ready has queued its own (asyncio runs ready callbacks in order)."""
+        """Queue a trajectory for the engine; the first one queued schedules the call, which runs once
+        every coroutine that was ready has queued its own (asyncio runs ready callbacks in order)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._queue.append((t, future))
@@ -223,37 +188,43 @@ class MultiTurnScheduler:
         for (_, future), completion in zip(batch, completions):
             if future.cancelled():  # its run was cancelled while it waited: the others still get theirs
                 continue
-            future.set_exception(completion) if isinstance(completion, Exception) else future.set_result(completion)
+            if isinstance(completion, Exception):
+                future.set_exception(completion)
+            else:
+                future.set_result(completion)
 
     def _complete(self, live: List[Trajectory]):
         """One batched engine call: a reply for each trajectory, from its last segment's ids."""
-        return self.infer_engine.generate([t.segments[-1].token_ids for t in live], self.max_completion_length,
-                                          self.temperature)
+        return self.infer_engine.generate([t.segments[-1].token_ids for t in live],
+                                          self.max_completion_length, self.temperature)
 
     async def _hook(self, name: str, *args):
         """Call a hook, def or async def; on_turn_end and step must answer with a dict."""
         result = getattr(self, name)(*args)
         result = await result if inspect.isawaitable(result) else result
-        if name in ('on_turn_end', 'step') and not (isinstance(result, dict)
-                                                    and (name != 'step' or 'infer_request' in result)):
-            raise UserError(f'{type(self).__name__}.{name} returned {type(result).__name__}: it must return '
-                            'a dict' + (" with 'infer_request'" if name == 'step' else ''))
+        wanted = {'on_turn_end': (), 'step': ('infer_request',)}.get(name)
+        if wanted is not None and not (isinstance(result, dict) and all(k in result for k in wanted)):
+            raise UserError(f'{type(self).__name__}.{name} returned {type(result).__name__}: it must '
+                            'return a dict' + (" with 'infer_request'" if wanted else ''))
         return result
 
 
 class GYMScheduler(MultiTurnScheduler):
-    """The document's GYMScheduler: the env hands out observations and rewards through the hooks.
+    """The document's GYMScheduler: the env hands out observations and rewards through the hooks,
+    and a reply that calls a tool gets the tool's answer instead (tools.py), if the trajectory
+    may call tools (the row's `tools` column, else the env's `tools`; their schemas join the
+    system message). A tool turn is a turn of --max_turns; a tool slower than `tool_timeout`
+    seconds is answered with an error.
 
-    The env is picked per row by `env_config.name`, else by `gym_env` (--gym_env).
-    rollout_infos: total_reward, step_rewards, reset_info and step_infos (the env's info dicts),
-    states (the env's state_key before each reply), plus stop_reason and num_turns from the
-    driver, and `error` when the env raised.
+    The env is picked per row by `env_config.name`, else by `gym_env` (--gym_env). rollout_infos:
+    total_reward, step_rewards, reset_info and step_infos (the env's info dicts), states (the
+    env's state_key before each reply), tool_calls, and `error` when the env raised.
     """
 
-    def __init__(self, *args, gym_env: Optional[str] = None, **kwargs):
+    def __init__(self, *args, gym_env: Optional[str] = None, tool_timeout: float = 10.0, **kwargs):
         super().__init__(*args, **kwargs)
-        self.gym_env = gym_env
-        self._envs, self._infos, self._pending_obs = {}, {}, {}
+        self.gym_env, self.tool_timeout = gym_env, tool_timeout
+        self._envs, self._infos, self._next = {}, {}, {}  # per uuid; _next: the next message
 
     async def on_trajectory_start(self, requests):
         errors = await asyncio.gather(*[self._reset(req) for req in requests])  # resets overlap
@@ -261,32 +232,40 @@ class GYMScheduler(MultiTurnScheduler):
 
     async def _reset(self, req) -> Optional[str]:
         env_config = req.data_dict.get('env_config') or {}
-        self._infos[req.uuid] = {'total_reward': 0.0, 'step_rewards': [], 'step_infos': []}
+        self._infos[req.uuid] = {'total_reward': 0.0, 'step_rewards': [], 'step_infos': [], 'tool_calls': []}
         try:
             self._envs[req.uuid] = env = envs[env_name(req.data_dict, self.gym_env)](env_config)
+            env.tools = list(req.data_dict.get('tools', env.tools))  # what this trajectory may call
             observation, info, system_message = await env.reset(req)
         except Exception as e:
             return f'reset: {type(e).__name__}: {e}'
-        self._infos[req.uuid].update(reset_info=info, states=[self._state(env, observation)])
-        req.messages = [{'role': 'system', 'content': system_message}, {'role': 'user', 'content': observation}]
+        self._infos[req.uuid].update(reset_info=info, states=[self._state(env, observation)], tools=env.tools)
+        req.messages = [{'role': 'system', 'content': tools.describe(system_message, env.tools)},
+                        {'role': 'user', 'content': observation}]
 
     async def on_turn_end(self, req, response_choice, turn):
-        infos = self._infos[req.uuid]
-        try:
-            observation, reward, done, info = await self._envs[req.uuid].step(deepcopy(req.messages))
-        except Exception as e:
-            infos.update(total_reward=0.0, error=f'step {turn}: {type(e).__name__}: {e}')
-            return {'done': True, 'stop_reason': 'error', 'rollout_infos': infos}
+        env, infos = self._envs[req.uuid], self._infos[req.uuid]
+        call = tools.find_call(response_choice.message.content) if env.tools else None
+        if call is not None:  # a tool turn: the tool answers, the env waits
+            answer, ok = await tools.answer(call, env.tools, self.tool_timeout)
+            infos['tool_calls'].append({'turn': turn, 'call': call, 'answer': answer, 'ok': ok})
+            observation, reward, done, info = answer, 0.0, False, {'status': 'tool_call'}
+        else:
+            try:
+                observation, reward, done, info = await env.step(deepcopy(req.messages))
+            except Exception as e:
+                infos.update(total_reward=0.0, error=f'step {turn}: {type(e).__name__}: {e}')
+                return {'done': True, 'stop_reason': 'error', 'rollout_infos': infos}
         infos['total_reward'] += float(reward)
         infos['step_rewards'].append(float(reward))
         infos['step_infos'].append(info)
-        infos['states'].append(self._state(self._envs[req.uuid], observation))
-        self._pending_obs[req.uuid] = observation
+        infos['states'].append(self._state(env, observation))
+        self._next[req.uuid] = {'role': 'tool' if call is not None else 'user', 'content': observation}
         # Not done: check_finished decides (a reply cut by length ends it, as the last turn does).
         return {'done': True, 'rollout_infos': infos} if done else {'rollout_infos': infos}
 
     def step(self, req, response_choice, turn):
-        req.messages.append({'role': 'user', 'content': self._pending_obs.pop(req.uuid)})
+        req.messages.append(self._next.pop(req.uuid))
         return {'infer_request': req}
 
     @staticmethod
@@ -297,7 +276,7 @@ class GYMScheduler(MultiTurnScheduler):
     async def on_trajectory_end(self, requests):
         for req in requests:
             self._infos.pop(req.uuid, None)
-            self._pending_obs.pop(req.uuid, None)
+            self._next.pop(req.uuid, None)
             env = self._envs.pop(req.uuid, None)  # pop: each env is closed exactly once
             if env is not None:
                 try:
@@ -309,7 +288,8 @@ class GYMScheduler(MultiTurnScheduler):
 class HintScheduler(GYMScheduler):
     """Example: after a reply the env could not read (status 'invalid'), the next observation ends
     with a reminder of the format. It only appends, so a trajectory stays one segment."""
-    hint = 'Hint: your last reply could not be read. Reply exactly in the format the system message asks for.'
+    hint = ('Hint: your last reply could not be read. Reply exactly in the format the system message '
+            'asks for.')
 
     def step(self, req, response_choice, turn):
         status = self._infos[req.uuid]['step_infos'][-1].get('status')
@@ -339,33 +319,39 @@ class ExpertScheduler(GYMScheduler):
     sure). train.py's --warm_start_steps trains on these games before GRPO."""
 
     def _complete(self, live):
-        closer = self.record.turn_closer[:1]
-        replies = [self.record.encode(self._envs[t.request.uuid].expert_reply()) + closer for t in live]
-        return [SimpleNamespace(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason='stop') for ids in replies]
+        closer, envs_of = self.record.turn_closer[:1], self._envs
+        replies = [self.record.encode(envs_of[t.request.uuid].expert_reply(t.request.messages)) + closer
+                   for t in live]
+        return [SimpleNamespace(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason='stop')
+                for ids in replies]
 
 
 # --multi_turn_scheduler names; a plugin adds its own: multi_turns['my_scheduler'] = MyScheduler
-multi_turns = {'gym_scheduler': GYMScheduler, 'hint_scheduler': HintScheduler, 'window_scheduler': WindowScheduler}
+multi_turns = {'gym_scheduler': GYMScheduler, 'hint_scheduler': HintScheduler,
+               'window_scheduler': WindowScheduler}
 
 
 def check_scheduler(name: str):
     """Refuse, in one line, a name that is not registered or not a MultiTurnScheduler."""
     if name not in multi_turns:
-        raise UserError(f'--multi_turn_scheduler {name}: not registered; registered: {", ".join(sorted(multi_turns))}')
-    if not (isinstance(multi_turns[name], type) and issubclass(multi_turns[name], MultiTurnScheduler)):
-        raise UserError(f"--multi_turn_scheduler {name}: multi_turns['{name}'] is {multi_turns[name]!r}, "
+        raise UserError(f'--multi_turn_scheduler {name}: not registered; registered: '
+                        f'{", ".join(sorted(multi_turns))}')
+    cls = multi_turns[name]
+    if not (isinstance(cls, type) and issubclass(cls, MultiTurnScheduler)):
+        raise UserError(f"--multi_turn_scheduler {name}: multi_turns['{name}'] is {cls!r}, "
                         'not a MultiTurnScheduler subclass')
 
 
 def make_scheduler(name: str, engine, tokenizer, *, max_turns: int, gym_env: str, max_model_len: int,
-                   max_completion_length: int = 16):
+                   max_completion_length: int = 16, tool_timeout: float = 10.0):
     """The --multi_turn_scheduler, as train.py and server.py start it."""
-    return multi_turns[name](engine, max_turns, tokenizer=tokenizer, gym_env=gym_env, max_model_len=max_model_len,
-                             max_completion_length=max_completion_length)
+    return multi_turns[name](engine, max_turns, tokenizer=tokenizer, gym_env=gym_env,
+                             max_model_len=max_model_len, max_completion_length=max_completion_length,
+                             tool_timeout=tool_timeout)
 
 
 def requests_for(rows, group_size) -> List[RolloutInferRequest]:
-    """group_size requests per dataset row, consecutive, each with its own uuid and a copy of the row."""
+    """group_size requests per dataset row, consecutive, each with its own uuid and a row copy."""
     return [RolloutInferRequest(messages=deepcopy(row.get('messages', [])),
                                 data_dict=deepcopy({k: v for k, v in row.items() if k != 'messages'}))
             for row in rows for _ in range(group_size)]

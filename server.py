@@ -26,6 +26,7 @@ from typing import Any, Dict, List
 from pydantic import BaseModel, Field, ValidationError
 
 import config
+import arithmetic  # noqa: F401  (registers envs['arithmetic'] and tools['calculator'])
 import frozen_lake  # noqa: F401  (registers envs['frozen_lake'])
 from env import UserError, env_name, envs
 from scheduler import make_scheduler, requests_for
@@ -41,7 +42,7 @@ class RolloutRequest(BaseModel):
 
 
 SHARED = ('model', 'gym_env', 'external_plugins', 'multi_turn_scheduler', 'max_turns', 'vllm_max_model_len',
-          'vllm_kv_cache_gib', 'vllm_gpu_memory_utilization', 'torch_dtype', 'seed')  # train.py's flags, and meanings
+          'vllm_kv_cache_gib', 'vllm_gpu_memory_utilization', 'torch_dtype', 'tool_timeout', 'seed')  # train.py's flags, and meanings
 
 
 def parse_args(argv=None):
@@ -142,7 +143,8 @@ def serve(args):
     engine = VLLMEngine(path, args.seed, args.vllm_max_model_len, args.vllm_kv_cache_gib,
                         args.vllm_gpu_memory_utilization, dtype=args.torch_dtype)
     scheduler = make_scheduler(args.multi_turn_scheduler, engine, tokenizer, max_turns=args.max_turns,
-                               gym_env=args.gym_env, max_model_len=args.vllm_max_model_len)
+                               gym_env=args.gym_env, max_model_len=args.vllm_max_model_len,
+                               tool_timeout=args.tool_timeout)
     identity = {'fingerprint': fingerprint(tokenizer, config), 'boot': uuid.uuid4().hex,
                 'max_turns': args.max_turns, 'gym_env': args.gym_env}
     app = build_app(scheduler, engine, identity, args.max_trajectories, weight_bytes + 2**20)

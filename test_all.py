@@ -28,15 +28,18 @@ from concurrent.futures import ProcessPoolExecutor
 import pytest
 import torch
 
+import arithmetic
 import config
 import frozen_lake
+import batching
 import grpo
 from engines import Colocated, Completion, Engine
 from env import Env, RolloutInferRequest, UserError, envs, load_dataset, load_plugins, reward_funcs
 from frozen_lake import MOVES, generate_random_map, parse_action, shortest_path
 import logs
+import tools
 from logs import evaluate
-from scheduler import GYMScheduler, HintScheduler, MultiTurnScheduler, multi_turns, requests_for, rollout
+from scheduler import ExpertScheduler, GYMScheduler, HintScheduler, MultiTurnScheduler, multi_turns, requests_for, rollout
 from trajectory import Segment, Trajectory
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -164,10 +167,10 @@ class SlowEnv(Env):
 @pytest.fixture(autouse=True)
 def test_envs():
     """Registers the test envs for one test, and leaves the registries as they were after it."""
-    saved = dict(envs), dict(reward_funcs), dict(multi_turns)
+    saved = dict(envs), dict(reward_funcs), dict(multi_turns), dict(tools.tools)
     envs.update(counting_lake=CountingEnv, echo=EchoEnv, broken_lake=BrokenEnv, slow=SlowEnv)
     yield
-    for registry, before in zip((envs, reward_funcs, multi_turns), saved):
+    for registry, before in zip((envs, reward_funcs, multi_turns, tools.tools), saved):
         registry.clear()
         registry.update(before)
 
@@ -330,6 +333,132 @@ reward_funcs['reply_length'] = reply_length
 '''
 
 
+REACT_PLUGIN = '''
+import re
+from scheduler import MultiTurnScheduler, multi_turns  # in ms-swift: from swift.rollout.multi_turn import ...
+
+
+class ReActCalculator(MultiTurnScheduler):
+    """Written as ms-swift's ToolCallScheduler (examples/train/grpo/plugin/plugin.py) is: ReAct calls
+    ("Action: calculator" / "Action Input: 2+3"), the result appended to the reply with loss mask 0
+    (extending response_choice.token_ids in place, as it does), the game over at a reply without a call."""
+
+    def calculate(self, expression):
+        if not re.fullmatch(r'[0-9+*() -]+', expression):
+            return 'tool error: not an expression'
+        return f' Result: {eval(expression)}'
+
+    def check_finished(self, infer_request, response_choice, current_turn):
+        if not re.search(r'Action:\\s*(.*?)\\s*\\nAction Input:', response_choice.message.content):
+            return True
+        return super().check_finished(infer_request, response_choice, current_turn)
+
+    def step(self, infer_request, response_choice, current_turn):
+        name, params = re.findall(r'Action:\\s*(.*?)\\s*\\nAction Input:\\s*(.*?)(?:\\n|$)',
+                                  response_choice.message.content)[0]
+        result = self.calculate(params) if name == 'calculator' else f'unknown tool {name}'
+        infer_request.messages[-1]['content'] += result
+        token_ids = response_choice.token_ids
+        result_ids = self.tokenizer.encode(result, add_special_tokens=False)
+        loss_mask = [1] * len(token_ids) + [0] * len(result_ids)
+        token_ids.extend(result_ids)
+        return {'infer_request': infer_request, 'response_token_ids': token_ids, 'response_loss_mask': loss_mask,
+                'rollout_infos': {'tool_results': result, 'num_turns': current_turn}}
+
+
+multi_turns['react_calculator'] = ReActCalculator
+'''
+
+
+def test_ms_swift_react_tool_scheduler_runs_here(tokenizer, tmp_path):
+    (tmp_path / 'react.py').write_text(REACT_PLUGIN)
+    load_plugins([str(tmp_path / 'react.py')])
+    replies = iter(['Action: calculator\nAction Input: 12*34', 'Action: abacus\nAction Input: 1', 'It is 408.'])
+    scheduler = multi_turns['react_calculator'](ScriptedEngine(tokenizer, lambda text: next(replies)), 5,
+                                                tokenizer=tokenizer, max_completion_length=32)
+    (t,) = rollout(scheduler, [RolloutInferRequest([{'role': 'user', 'content': 'What is 12 * 34?'}])])
+    (segment,) = t.segments
+    assert t.num_turns == 3 and t.stop_reason == 'done' and t.rollout_infos['tool_results'] == 'unknown tool abacus'
+    assert t.messages[-1]['content'] == 'Action: calculator\nAction Input: 12*34 Result: 408Action: abacus\n' \
+                                        'Action Input: 1unknown tool abacusIt is 408.'
+    sampled = tokenizer.decode([i for i, m in zip(segment.token_ids, segment.loss_mask) if m])
+    assert ' Result: 408' not in sampled and 'unknown tool' not in sampled and 'It is 408.' in sampled
+    assert ' Result: 408' in tokenizer.decode(segment.token_ids)  # the model saw the result, never trained on it
+
+
+HANGS = threading.Event()
+
+
+def slow_tool(seconds: int) -> str:
+    """Sleeps, then says so.
+
+    Args:
+        seconds: how long to sleep
+    """
+    HANGS.wait(seconds)
+    return 'slept'
+
+
+def raising_tool(x: int) -> str:
+    """Always fails.
+
+    Args:
+        x: anything
+    """
+    raise RuntimeError('out of order')
+
+
+def test_the_tool_loop_answers_a_call_and_never_trains_on_the_answer(tokenizer):
+    trajectories = rollout(ExpertScheduler(None, 4, tokenizer=tokenizer, gym_env='arithmetic', max_completion_length=64),
+                           requests(range(5)))
+    for t in trajectories:
+        (segment,) = t.segments
+        assert [m['role'] for m in t.messages] == ['system', 'user', 'assistant', 'tool', 'assistant']
+        assert '"name": "calculator"' in t.messages[0]['content'] and t.rollout_infos['total_reward'] == 1.0
+        assert t.messages[3]['content'] == str(t.rollout_infos['reset_info']['value'])  # the tool's answer
+        assert tokenizer.decode(segment.token_ids) == tokenizer.apply_chat_template(t.messages, tokenize=False)
+        sampled = tokenizer.decode([i for i, m in zip(segment.token_ids, segment.loss_mask) if m])
+        assert sampled == t.messages[2]['content'] + '<|im_end|>' + t.messages[4]['content'] + '<|im_end|>'
+        assert t.rollout_infos['tool_calls'][0]['ok'] and t.rollout_infos['tools'] == ['calculator']
+    assert logs.tool_use(trajectories) == {'tools/call_frequency': 1.0, 'tools/failure_frequency': 0.0}
+    # a row may withhold the tool: the schema leaves the system message, and the expert answers at once
+    rows = [{'messages': [], 'env_config': {'seed': 3}, 'tools': []}]
+    (t,) = rollout(ExpertScheduler(None, 4, tokenizer=tokenizer, gym_env='arithmetic'), requests_for(rows, 1))
+    assert t.messages[0]['content'] == arithmetic.SYSTEM_PROMPT and t.num_turns == 1 and logs.tool_use([t]) == {}
+
+
+def test_every_bad_tool_call_is_answered_and_counted_and_the_game_goes_on(tokenizer):
+    tools.tools.update(slow_tool=slow_tool, raising_tool=raising_tool)
+    calls = ['<tool_call>{"name": "calculator", "arguments": {oops}</tool_call>',
+             '<tool_call>{"name": "abacus", "arguments": {}}</tool_call>',
+             '<tool_call>{"name": "calculator", "arguments": {"formula": "1+1"}}</tool_call>',
+             '<tool_call>{"name": "calculator", "arguments": {"expression": "2 ** 99"}}</tool_call>',
+             '<tool_call>{"name": "raising_tool", "arguments": {"x": 1}}</tool_call>',
+             '<tool_call>{"name": "slow_tool", "arguments": {"seconds": 60}}</tool_call>',
+             '<answer>0</answer>']
+    answers = ['error: the call is not JSON', "error: unknown tool 'abacus'; the tools are: calculator, raising_tool, "
+               'slow_tool', "error: wrong arguments for calculator: missing a required argument: 'expression'",
+               'error: calculator raised ValueError: not allowed', 'error: raising_tool raised RuntimeError: out of order',
+               'error: slow_tool did not answer within 0.2 seconds']
+    replies = iter(calls)
+    rows = [{'messages': [], 'env_config': {'seed': 0, 'name': 'arithmetic'},
+             'tools': ['calculator', 'raising_tool', 'slow_tool']}]
+    scheduler = GYMScheduler(ScriptedEngine(tokenizer, lambda text: next(replies)), 10, tokenizer=tokenizer,
+                             max_completion_length=64, tool_timeout=0.2)
+    started = time.time()
+    (t,) = rollout(scheduler, requests_for(rows, 1))
+    HANGS.set()
+    assert t.stop_reason != 'error', t.rollout_infos.get('error')
+    assert time.time() - started < 10  # the hanging tool held nothing up
+    tool_messages = [m['content'] for m in t.messages if m['role'] == 'tool']
+    assert len(tool_messages) == 6 and all(m.startswith(a) for m, a in zip(tool_messages, answers)), tool_messages
+    assert t.num_turns == 7 and t.stop_reason == 'done' and t.rollout_infos['step_infos'][-1]['status'] == 'wrong'
+    assert logs.tool_use([t]) == {'tools/call_frequency': 6.0, 'tools/failure_frequency': 1.0}
+    (segment,) = t.segments
+    sampled = tokenizer.decode([i for i, m in zip(segment.token_ids, segment.loss_mask) if m])
+    assert not any(a in sampled for a in answers) and sampled.count('<tool_call>') == 6
+
+
 def test_hooks_may_be_plain_or_async_and_append_to_the_conversation(tokenizer):
     class Shorter(GYMScheduler):  # an async step on top of the plain one: keep only the grid and the goal line
         async def step(self, req, response_choice, turn):
@@ -374,7 +503,7 @@ def test_a_hook_that_rewrites_history_starts_a_new_segment(tokenizer):
     reply = len(tokenizer.encode('<action>left</action>', add_special_tokens=False)) + 1
     assert [k for k, _ in sampled] == [k for k in range(1, 7) for _ in range(reply)]  # every reply once, in order
     one = [Trajectory(RolloutInferRequest([]), t.segments), Trajectory(RolloutInferRequest([]), t.segments[:1])]
-    batches = grpo.micro_batches(one, torch.tensor([1.0, -1.0]), size=8, pad_id=0)
+    batches = batching.micro_batches(one, torch.tensor([1.0, -1.0]), size=8, pad_id=0)
     weights = sum(grpo.aggregate(torch.ones_like(b.advantages), b.loss_mask, b.trajectory_tokens, 'grpo', 1.0)
                   for b in batches)
     assert weights.item() == pytest.approx(2.0)  # --loss_type grpo: each trajectory's tokens weigh 1 in all
@@ -758,7 +887,7 @@ def conformance_cases():
     """The envs test_env_conformance checks: GYM_ENV_PLUGIN=my_env.py GYM_ENV=my_env picks one."""
     if os.environ.get('GYM_ENV_PLUGIN'):
         return [(os.environ['GYM_ENV_PLUGIN'], os.environ.get('GYM_ENV'))]
-    return [(None, 'frozen_lake'), ('the README', 'guess')]
+    return [(None, 'frozen_lake'), (None, 'arithmetic'), ('the README', 'guess')]
 
 
 @pytest.mark.parametrize('plugin, name', conformance_cases())
@@ -770,7 +899,8 @@ def test_env_conformance(plugin, name, tokenizer, tmp_path):
         (tmp_path / 'guess.py').write_text(GUESS_PLUGIN)
         plugin = str(tmp_path / 'guess.py')
     load_plugins([plugin] if plugin else [])
-    assert name in envs, f'set GYM_ENV to the name the plugin registers: {", ".join(sorted(envs))}'
+    ours = {'counting_lake', 'echo', 'broken_lake', 'slow'}  # this file's own test envs
+    assert name in envs, f'set GYM_ENV to the name the plugin registers: {", ".join(sorted(set(envs) - ours))}'
     rows = envs[name].eval_rows(8, {}) or [{'env_config': {'seed': s}} for s in range(8)]
     first = [asyncio.run(envs[name](dict(r['env_config'])).reset(RolloutInferRequest([]))) for r in rows + rows]
     assert [(o, s) for o, _, s in first[:8]] == [(o, s) for o, _, s in first[8:]], 'the same env_config, another game'
@@ -778,17 +908,18 @@ def test_env_conformance(plugin, name, tokenizer, tmp_path):
         assert isinstance(observation, str) and isinstance(system, str) and isinstance(info, dict)
         json.dumps(info)  # it goes to completions.jsonl
 
-    async def expert_game(env):
-        observation, _, system = await env.reset(RolloutInferRequest([]))
-        messages = [{'role': 'system', 'content': system}, {'role': 'user', 'content': observation}]
-        for _ in range(10):
-            messages.append({'role': 'assistant', 'content': env.expert_reply()})
-            observation, reward, done, info = await env.step(copy.deepcopy(messages))
-            messages.append({'role': 'user', 'content': observation})
-            if done:
-                return True
-    if envs[name]({}).expert_reply.__func__ is not Env.expert_reply:
-        assert all(asyncio.run(expert_game(envs[name](dict(r['env_config'])))) for r in rows), 'the expert did not finish'
+    if envs[name].expert_reply is not Env.expert_reply:  # its expert plays through the scheduler, tools included
+        for tool in envs[name].tools:
+            assert tool in tools.tools, f'{name}.tools names {tool!r}, which is not in tools.tools'
+        games = rollout(ExpertScheduler(None, 10, tokenizer=tokenizer, gym_env=name, max_completion_length=256),
+                        requests_for(rows, 1))
+        assert all(g.stop_reason == 'done' for g in games), ('the expert did not finish', games[0].rollout_infos)
+        for g in games:
+            sampled = tokenizer.decode([i for s in g.segments for i, m in zip(s.token_ids, s.loss_mask) if m])
+            replies = ''.join(m['content'] + tokenizer.eos_token for m in g.messages if m['role'] == 'assistant')
+            assert sampled == replies, 'something other than the replies has loss mask 1'
+            for m in g.messages:  # a tool's answer is in what the model saw, with loss mask 0
+                assert m['role'] != 'tool' or m['content'] in tokenizer.decode(g.segments[-1].token_ids)
     calls = {'made': 0, 'closed': []}
 
     class Checked(envs[name]):
@@ -941,7 +1072,7 @@ def test_the_normalisers_count_the_trajectories_that_do_not_train():
     counts = grpo.count(batch, scores)
     # bnpo/dapo: the tokens of every trajectory in the loss, 3 + 1 + 2 + 2 + 4 + 1; grpo: the 7 valid trajectories
     assert (counts.tokens, counts.trajectories, counts.sampled, counts.trained) == (13.0, 7.0, 19.0, 3.0)
-    batches = grpo.micro_batches([batch[i] for i in scores.trained], advantages[scores.trained], size=8, pad_id=0)
+    batches = batching.micro_batches([batch[i] for i in scores.trained], advantages[scores.trained], size=8, pad_id=0)
 
     def total(loss_type):  # ratio 1: loss_t = -A
         return sum(grpo.aggregate(-b.advantages, b.loss_mask, b.trajectory_tokens, loss_type,
@@ -1117,7 +1248,7 @@ def test_gigpo_step_advantages_by_hand():
     assert torch.allclose(step, torch.tensor([[0.6, 0.5], [-0.3, -0.5], [-0.3, 0.0]]))
     s = 0.27 ** 0.5  # the sample std of 0.9, 0, 0
     assert torch.allclose(grpo.step_advantages(group, 3, 0.9, 'group', eps=0.0)[:, 0], torch.tensor([0.6, -0.3, -0.3]) / s)
-    batches = grpo.micro_batches(group, step, size=3, pad_id=0)
+    batches = batching.micro_batches(group, step, size=3, pad_id=0)
     by_length = sorted(group, key=lambda t: len(t.segments[0].token_ids))  # the order micro_batches takes
     for row, t in zip(batches[0].advantages, by_length):  # each sampled token takes its turn's advantage
         i, turns = group.index(t), torch.tensor(t.segments[0].turns)
@@ -1346,8 +1477,8 @@ def test_token_logprobs_match_a_full_forward(tiny_model_dir):
     mask = torch.zeros(2, 12, dtype=torch.long)
     mask[0, 5:9] = mask[1, 3:12] = 1
     segments = [Segment(ids[i].tolist(), mask[i].tolist(), [0.0] * 12, mask[i].tolist()) for i in (0, 1)]
-    (batch,) = grpo.micro_batches([Trajectory(RolloutInferRequest([]), segments)], torch.zeros(1), size=2, pad_id=0)
-    got, entropies = grpo.token_logprobs(model, batch, temperature=0.7, chunk=3)
+    (batch,) = batching.micro_batches([Trajectory(RolloutInferRequest([]), segments)], torch.zeros(1), size=2, pad_id=0)
+    got, entropies = batching.token_logprobs(model, batch, temperature=0.7, chunk=3)
     full = (model(ids).logits[:, :-1] / 0.7).log_softmax(-1)  # (2, 11, V)
     picked = mask[:, 1:].bool()
     assert torch.allclose(got[:, 1:][picked], full.gather(-1, ids[:, 1:, None])[..., 0][picked], atol=1e-5)
@@ -1384,10 +1515,10 @@ def logprobs_and_gradients(model, trajectories, share_prompt, size):
     """Token logprobs per segment (keyed by its ids) and the gradients of a GRPO loss with KL."""
     model.zero_grad()
     advantages = torch.linspace(-1, 1, len(trajectories))
-    batches = grpo.micro_batches(trajectories, advantages, size=size, pad_id=0, share_prompt=share_prompt)
+    batches = batching.micro_batches(trajectories, advantages, size=size, pad_id=0, share_prompt=share_prompt)
     found = {}
     for b in batches:
-        logprobs, _ = grpo.token_logprobs(model, b, temperature=0.7)
+        logprobs, _ = batching.token_logprobs(model, b, temperature=0.7)
         per_token, _, _ = grpo.token_loss(logprobs, logprobs.detach() + 0.05, b.advantages, b.loss_mask, beta=0.1,
                                           ref_logprobs=logprobs.detach() - 0.1)
         grpo.aggregate(per_token, b.loss_mask, b.trajectory_tokens, 'grpo', len(trajectories)).backward()
@@ -1404,15 +1535,15 @@ def test_shared_prompt_update_equals_the_plain_one(tiny_model_dir, monkeypatch):
     plain, plain_grads, plain_batches = logprobs_and_gradients(model, trajectories, False, 4)
     for size in (3, 4, 15, 'budget'):  # micro-batches within a group, across groups, the whole batch in one
         if size == 'budget':  # and rows of at most MAX_PACKED tokens (a segment longer than that alone)
-            monkeypatch.setattr(grpo, 'MAX_PACKED', 80)
+            monkeypatch.setattr(batching, 'MAX_PACKED', 80)
             size = 15
         shared, grads, batches = logprobs_and_gradients(model, trajectories, True, size)
-        assert all(b.input_ids.shape[1] <= grpo.MAX_PACKED or len(b.targets) == 1 for b in batches)
-        assert len(batches) > 1 or grpo.MAX_PACKED > 80
+        assert all(b.input_ids.shape[1] <= batching.MAX_PACKED or len(b.targets) == 1 for b in batches)
+        assert len(batches) > 1 or batching.MAX_PACKED > 80
         assert shared.keys() == plain.keys()
         assert all(torch.allclose(shared[k], plain[k], atol=1e-5) for k in plain), size
         assert all(torch.allclose(grads[k], plain_grads[k], atol=1e-5) for k in grads), size
-        if size == 15 and grpo.MAX_PACKED > 80:  # one packed row: every distinct prefix once (the system message, each group's prompt, ...)
+        if size == 15 and batching.MAX_PACKED > 80:  # one packed row: every distinct prefix once (the system message, each group's prompt, ...)
             prefixes = {tuple(s.token_ids[:p + 1]) for t in trajectories for s in t.segments for p in range(len(s.token_ids))}
             assert batches[0].input_ids.numel() == len(prefixes) < sum(b.attention_mask.sum() for b in plain_batches) / 2
 
@@ -1477,7 +1608,7 @@ def in_fresh_process(fn, *args):
 
 
 def one_batch(trajectory):
-    (batch,) = grpo.micro_batches([trajectory], torch.zeros(1), size=8, pad_id=0)
+    (batch,) = batching.micro_batches([trajectory], torch.zeros(1), size=8, pad_id=0)
     return batch
 
 
@@ -1486,14 +1617,14 @@ def max_gap(model, trajectories, temperature):
     gaps = []
     for t in trajectories:
         batch = one_batch(t)
-        logprobs, _ = grpo.token_logprobs(model, batch, temperature)
+        logprobs, _ = batching.token_logprobs(model, batch, temperature)
         gaps.append(((logprobs - batch.engine_logprobs).abs()[batch.loss_mask.bool()]).max().item())
     return max(gaps)
 
 
 def nudge(model, trajectory):
     """One large SGD step that raises the logprob of a trajectory's sampled tokens."""
-    (-grpo.token_logprobs(model, one_batch(trajectory), 0.8)[0].sum()).backward()
+    (-batching.token_logprobs(model, one_batch(trajectory), 0.8)[0].sum()).backward()
     torch.optim.SGD(model.parameters(), lr=5.0).step()
 
 

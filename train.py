@@ -27,7 +27,9 @@ os.environ.setdefault('TORCH_CPP_LOG_LEVEL', 'ERROR')  # read once, when torch l
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import frozen_lake  # noqa: F401  (registers envs['frozen_lake'] and its `format` reward)
+import arithmetic  # noqa: F401  (registers envs['arithmetic'] and tools['calculator'])
+import frozen_lake  # noqa: F401  (registers envs['frozen_lake'] and its rewards)
+import batching
 import grpo
 from config import Args, check_args, parse_args
 from engines import Colocated, RolloutClient, embedded_model, make_engine, quiet
@@ -113,7 +115,7 @@ def make_rollouts(args: Args, model, tokenizer, rank: int = 0):
                          gpu_memory_utilization=args.vllm_gpu_memory_utilization, dtype=args.torch_dtype)
     scheduler = make_scheduler(args.multi_turn_scheduler, engine, tokenizer, max_turns=args.max_turns,
                                gym_env=args.gym_env, max_model_len=args.vllm_max_model_len,
-                               max_completion_length=args.max_completion_length)
+                               max_completion_length=args.max_completion_length, tool_timeout=args.tool_timeout)
     rollouts = Colocated(engine, scheduler)
     if hasattr(model, 'peft_config'):  # the engine loaded the base model; the adapters may not be zero
         rollouts.load_weights(model)
@@ -194,10 +196,9 @@ def step_batches(model, trajectories, scores: grpo.Scores, args: Args, pad_id: i
     """(the micro-batches that train, those only measured: valid, with sampled tokens, not trained),
     on the model's device."""
     rest = [i for i, t in enumerate(trajectories) if scores.valid[i] and t.num_sampled and i not in scores.trained]
-    packed = args.share_prompt and can_share_prompt(model)
-    return ([b.to(model.device) for b in grpo.micro_batches([trajectories[i] for i in rows], advantages,
+    return ([b.to(model.device) for b in batching.micro_batches([trajectories[i] for i in rows], advantages,
                                                             size=args.micro_batch_size, pad_id=pad_id,
-                                                            share_prompt=packed)]
+                                                            share_prompt=args.share_prompt)]
             for rows, advantages in ((scores.trained, scores.turn_advantages[scores.trained]),
                                      (rest, torch.zeros(len(rest)))))
 
@@ -209,7 +210,7 @@ def one_pass(model, batches, old, ref, is_weights, denominator: float, args: Arg
     sums = torch.zeros(len(SUMS), dtype=torch.float64, device=model.device)
     for k, b in enumerate(batches):
         with precision(args, model.device):
-            logprobs, entropies = grpo.token_logprobs(model, b, args.temperature)  # (b, T)
+            logprobs, entropies = batching.token_logprobs(model, b, args.temperature)  # (b, T)
         old_k = old[k] if old else logprobs.detach()  # one pass: logp_old is logp itself, ratio 1
         over = torch.zeros_like(b.loss_mask, dtype=torch.bool)
         if args.rollout_importance_sampling_mode and is_weights[k] is None:
@@ -235,9 +236,9 @@ def anchors(model, ref_model, batches, args: Args):
     adapters off)."""
     device = model.device
     with torch.no_grad(), precision(args, device):
-        old = [grpo.token_logprobs(model, b, args.temperature)[0] for b in batches] if args.num_iterations > 1 else None
+        old = [batching.token_logprobs(model, b, args.temperature)[0] for b in batches] if args.num_iterations > 1 else None
         with model.disable_adapter() if args.beta and ref_model is None else contextlib.nullcontext():  # LoRA
-            ref = [grpo.token_logprobs(ref_model or model, b, args.temperature)[0] for b in batches] if args.beta else None
+            ref = [batching.token_logprobs(ref_model or model, b, args.temperature)[0] for b in batches] if args.beta else None
     return old, ref
 
 
@@ -246,12 +247,12 @@ def measure(model, batches, args: Args) -> torch.Tensor:
     sums = torch.zeros(len(SUMS), dtype=torch.float64, device=model.device)
     with torch.no_grad(), precision(args, model.device):
         for b in batches:
-            logprobs, entropies = grpo.token_logprobs(model, b, args.temperature)
+            logprobs, entropies = batching.token_logprobs(model, b, args.temperature)
             sums[3:5] += torch.stack([(entropies * b.loss_mask).sum(), gap(logprobs, b)]).double()
     return sums
 
 
-def gap(logprobs, b: grpo.MicroBatch) -> torch.Tensor:
+def gap(logprobs, b: batching.MicroBatch) -> torch.Tensor:
     """The summed |trainer - engine| logprob difference over a micro-batch's sampled tokens."""
     return ((logprobs.detach() - b.engine_logprobs).abs() * b.loss_mask).sum()
 
@@ -262,16 +263,6 @@ def precision(args: Args, device):
     if args.torch_dtype == 'bfloat16':
         return torch.autocast(device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
-
-
-def can_share_prompt(model) -> bool:
-    """The shared-prompt update hands the model a 4D attention mask, which its sdpa and eager
-    attention take; another attention (flash attention) gets the plain update, said once."""
-    attention = model.config._attn_implementation
-    if attention not in ('sdpa', 'eager') and not getattr(can_share_prompt, 'said', False):
-        print(f'note: {attention} attention takes no 4D mask: --share_prompt off, each trajectory computed in full')
-        can_share_prompt.said = True
-    return attention in ('sdpa', 'eager')
 
 
 def all_sum(values: torch.Tensor, world: int) -> torch.Tensor:

@@ -54,15 +54,18 @@ class TokenRecord:
     def encode(self, text: str) -> List[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def prompt(self, messages: Messages) -> List[int]:
-        """The conversation's ids, ready for the next reply."""
-        return self.encode(self.render(messages, add_generation_prompt=True))
+    def start(self, t: Trajectory, room: int) -> bool:
+        """The first segment: the conversation so far, ready for a reply (mask 0); False when it
+        holds more than `room` ids (no reply would fit)."""
+        return self._open(t, t.request.messages, room)
 
-    @staticmethod
-    def open(t: Trajectory, ids: List[int], messages: Messages):
-        """A new segment: a prompt (mask 0)."""
+    def _open(self, t: Trajectory, messages: Messages, room: int) -> bool:
+        ids = self.encode(self.render(messages, add_generation_prompt=True))
+        if len(ids) > room:
+            return False
         n = len(ids)
-        t.segments.append(Segment(list(ids), [0] * n, [0.0] * n, [0] * n, deepcopy(messages)))
+        t.segments.append(Segment(ids, [0] * n, [0.0] * n, [0] * n, deepcopy(messages)))
+        return True
 
     @staticmethod
     def add(t: Trajectory, ids: List[int], mask=None, logprobs=(), turn: int = 0):
@@ -77,13 +80,48 @@ class TokenRecord:
         """The template's closer after a reply, unless the reply already ends with its first token."""
         self.add(t, self.turn_closer[1:] if ids[-1:] == self.turn_closer[:1] else self.turn_closer)
 
-    def appended(self, t: Trajectory, messages: Messages) -> Optional[List[int]]:
-        """The ids `messages` add after the last segment's, when they only add to it (they begin
-        with its conversation and its closed reply); None when they rewrote it."""
-        segment, n = t.segments[-1], len(t.segments[-1].messages)
+    def follow(self, t: Trajectory, before: Messages, room: int) -> bool:
+        """After a step hook, the record follows the conversation it left (t.request.messages):
+        - appended to: the new messages' ids (mask 0) go at the end of the segment;
+        - rewritten: the segment ends as it was (`before`), a new one starts on the new conversation.
+        False when the result would hold more than `room` ids (then nothing is added, and the
+        conversation is cut back to what the model has seen)."""
+        messages, segment = t.request.messages, t.segments[-1]
+        added = self._appended(segment, messages)
+        if added is not None:
+            if len(segment.token_ids) + len(added) > room:
+                del messages[len(segment.messages) + 1:]  # no room to answer what was added
+                return False
+            self.add(t, added)
+            segment.messages = deepcopy(messages)
+            return True
+        segment.messages = before
+        if self._open(t, messages, room):
+            return True
+        t.request.messages = before
+        return False
+
+    def _appended(self, segment: Segment, messages: Messages) -> Optional[List[int]]:
+        """The ids `messages` add after the segment's, when they only add to it (they begin with its
+        conversation and its closed reply); None when they rewrote it."""
+        n = len(segment.messages)
         if messages[:n] != segment.messages or len(messages) <= n or messages[n]['role'] != 'assistant':
             return None
         closed, after = self.render(messages[:n + 1]), self.render(messages, add_generation_prompt=True)
         if not (closed.startswith(self.render(segment.messages, True)) and after.startswith(closed)):
             return None
         return self.encode(after[len(closed):])
+
+    @staticmethod
+    def log(t: Trajectory, before: Messages):
+        """The whole conversation (t.messages) follows too: it gains the messages a step hook
+        appended (after the reply, or after a continued reply, which replaces the last one), or,
+        when the hook rewrote history, its newest message."""
+        after, n = t.request.messages, len(before)
+        if after[:n] == before:
+            new = after[n:]
+        elif after[:n - 1] == before[:-1] and after[n - 1:n] and after[n - 1]['role'] == 'assistant':
+            t.messages[-1], new = deepcopy(after[n - 1]), after[n:]
+        else:
+            new = after[-1:]
+        t.messages += deepcopy(new)

@@ -13,6 +13,7 @@ import asyncio
 
 import torch
 
+import batching
 import grpo
 from env import RolloutInferRequest
 from frozen_lake import FrozenLakeEnv
@@ -81,7 +82,7 @@ def main(gamma: float = 0.95):
           [(k, *[f'{v:+.3f}' if j < t.num_turns else '' for j, v in enumerate(row.tolist())])
            for k, t, row in zip(names, group, step)])
 
-    (b,) = grpo.micro_batches(group, scores.turn_advantages, size=4, pad_id=0)  # shortest first
+    (b,) = batching.micro_batches(group, scores.turn_advantages, size=4, pad_id=0)  # shortest first
     order = [names[group.index(t)] for t in sorted(group, key=lambda t: len(t.segments[0].token_ids))]
     counts, budget = grpo.count(group, scores), 4 * 5 * 16  # dr_grpo: trajectories x max_turns x 16 tokens
 

@@ -1,0 +1,102 @@
+"""Arithmetic with a calculator: a task where a tool makes a 135M model strong (`--env arithmetic`).
+
+1. Each row's `env_config.seed` gives a problem, `a * b + c` or `a * b - c` with a of three or
+   four digits, b of two, c of three ('What is 4732 * 86 + 119?'), which the embedded model
+   cannot work out in its head.
+2. Its tool: `calculator`, registered in tools.tools; `tools = ['calculator']`, so every
+   trajectory may call it, unless its dataset row says `"tools": []`.
+3. `step`: a reply with `<answer>N</answer>`: reward 1 when N is right, else 0; the game ends
+   either way. Anything else: status 'invalid', no reward, and the question asked again.
+4. The expert (`expert_reply`): calls the calculator on the problem, then answers with the
+   result; when the tool is withheld, it answers at once (it knows; a model must compute).
+Beside the env: held-out problems (seeds 100000..), `is_success`, and `draw` (agent.png).
+"""
+import ast
+import json
+import operator
+import random
+import re
+
+from env import Env, envs
+from tools import tools
+
+SYSTEM_PROMPT = ('You solve arithmetic problems exactly. Give the final result as <answer>NUMBER</answer> '
+                 'and nothing else.')
+ANSWER = re.compile(r'<answer>\s*(-?\d+)\s*</answer>')
+EVAL_SEED_BASE = 100_000  # held-out problems: far from data.jsonl's seeds 0..127
+OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.USub: operator.neg}
+
+
+def calculator(expression: str) -> str:
+    """Evaluates an arithmetic expression exactly: integers, +, -, * and parentheses.
+
+    Args:
+        expression: the expression to evaluate, for example "4732 * 86 + 119"
+    """
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, int):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in OPERATORS:
+            return OPERATORS[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in OPERATORS:
+            return OPERATORS[type(node.op)](value(node.operand))
+        raise ValueError(f'not allowed: {ast.unparse(node)!r} (integers, +, -, * and parentheses only)')
+    return str(value(ast.parse(expression, mode='eval').body))
+
+
+def problem(seed) -> str:
+    """The expression of a seed's problem."""
+    rng = random.Random(seed)
+    a, b, c = rng.randint(100, 9999), rng.randint(10, 99), rng.randint(100, 999)
+    return f'{a} * {b} {rng.choice("+-")} {c}'
+
+
+class ArithmeticEnv(Env):
+    tools = ['calculator']
+
+    @classmethod
+    def eval_rows(cls, n, env_config):
+        return [{'messages': [], 'env_config': {**env_config, 'seed': EVAL_SEED_BASE + i}} for i in range(n)]
+
+    @classmethod
+    def is_success(cls, rollout_infos):
+        return rollout_infos.get('total_reward', 0.0) >= 1.0
+
+    @classmethod
+    def draw(cls, ax, rollout_infos):
+        """The problem, each tool call and its answer, and the model's answer."""
+        info, steps = rollout_infos['reset_info'], rollout_infos.get('step_infos', [])
+        lines = [f"{info['expression']} = {info['value']}"]
+        lines += [f"calculator: {c['answer']}" if c['ok'] else 'a failed call' for c in rollout_infos.get('tool_calls', [])]
+        lines.append(f"answer: {steps[-1].get('answer')}" if steps and 'answer' in steps[-1] else 'no answer')
+        ax.text(0.05, 0.5, '\n'.join(lines), va='center', family='monospace', fontsize=8)
+        ax.set(xticks=[], yticks=[], title=rollout_infos.get('stop_reason'))
+        won = cls.is_success(rollout_infos)
+        ax.set_facecolor('#d9f2d9' if won else '#f8d7d7')
+
+    async def reset(self, config):
+        self.expression = problem(self.env_config.get('seed'))
+        self.value = int(calculator(self.expression))
+        self.question = f'What is {self.expression}?'
+        return self.question, {'expression': self.expression, 'value': self.value}, SYSTEM_PROMPT
+
+    async def step(self, action):
+        found = ANSWER.search(action[-1]['content'])
+        if not found:
+            return f'Give the result as <answer>NUMBER</answer>. {self.question}', 0.0, False, {'status': 'invalid'}
+        right = int(found.group(1)) == self.value
+        status = 'right' if right else 'wrong'
+        return f'That is {status}.', float(right), True, {'status': status, 'answer': int(found.group(1))}
+
+    def expert_reply(self, messages=None):
+        if 'calculator' in self.tools and (messages or [{}])[-1].get('role') != 'tool':
+            call = {'name': 'calculator', 'arguments': {'expression': self.expression}}
+            return f'<tool_call>{json.dumps(call)}</tool_call>'
+        return f'<answer>{self.value}</answer>'
+
+    async def close(self):
+        pass
+
+
+envs['arithmetic'] = ArithmeticEnv
+tools['calculator'] = calculator

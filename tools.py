@@ -1,0 +1,100 @@
+"""Tools an agent may call: the `tools` registry, their schemas in the system message, and the
+answer to a call.
+
+1. A tool is a plain Python function with type hints and a Google-style docstring (TRL's
+   convention), registered by name: `tools['calculator'] = calculator`. Its JSON schema is made
+   by transformers' `get_json_schema` from those hints and that docstring.
+2. An env names the tools its trajectories may call (`Env.tools`; a dataset row's `tools` column,
+   as in ms-swift, overrides it). GYMScheduler adds their schemas to the system message
+   (`describe`) with the format of a call, Hermes', as in the Qwen2.5/Qwen3 chat templates,
+   ms-swift's `hermes` agent template and verl: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+3. A reply with a call (`find_call`) gets the tool's answer as a {"role": "tool"} message instead
+   of the env's step (`answer`); its tokens have loss mask 0, so no tool output is trained on.
+   Every bad call gets an error message as its answer and counts as a failure: malformed JSON,
+   an unknown tool (the answer lists the ones it may call), wrong arguments, a tool that raises,
+   and one that takes longer than --tool_timeout seconds. None of them ends the trajectory.
+Left out: several calls in one reply (the first is answered), async tools. A tool that hangs is
+left running in a daemon thread: Python cannot stop a thread.
+"""
+import asyncio
+import inspect
+import json
+import re
+import threading
+from typing import Callable, Dict, List, Optional, Tuple
+
+tools: Dict[str, Callable] = {}  # name -> function; a plugin adds its own: tools['search'] = search
+
+CALL = re.compile(r'<tool_call>(.*?)(?:</tool_call>|$)', re.S)
+
+
+def schema(name: str) -> dict:
+    """The JSON schema of a registered tool, under its registered name."""
+    from transformers.utils import get_json_schema
+    spec = get_json_schema(tools[name])
+    spec['function']['name'] = name
+    return spec
+
+
+def describe(system_message: str, names: List[str]) -> str:
+    """The system message, followed by the tools' schemas and how to call one (none: unchanged)."""
+    if not names:
+        return system_message
+    schemas = '\n'.join(json.dumps(schema(name)) for name in names)
+    return (f'{system_message}\n\nYou may call these tools:\n<tools>\n{schemas}\n</tools>\n'
+            'To call one, reply with <tool_call>{"name": NAME, "arguments": {...}}</tool_call> and '
+            'nothing else; its answer comes back as the next message.')
+
+
+def find_call(reply: str) -> Optional[str]:
+    """The text of the reply's first tool call (None: the reply calls no tool)."""
+    found = CALL.search(reply)
+    return found.group(1).strip() if found else None
+
+
+async def answer(call: str, names: List[str], timeout: float) -> Tuple[str, bool]:
+    """(what the tool answers, whether the call worked) for a call's text; `names`: the tools
+    this trajectory may call."""
+    try:
+        request = json.loads(call)
+    except json.JSONDecodeError as e:
+        return (f'error: the call is not JSON ({e.msg}); write <tool_call>{{"name": ..., "arguments": '
+                '{...}}</tool_call>', False)
+    if not isinstance(request, dict) or not isinstance(request.get('arguments', {}), dict):
+        return 'error: a call is {"name": ..., "arguments": {...}}', False
+    name, arguments = request.get('name'), request.get('arguments', {})
+    if name not in names or name not in tools:
+        return f'error: unknown tool {name!r}; the tools are: {", ".join(names)}', False
+    try:
+        inspect.signature(tools[name]).bind(**arguments)
+    except TypeError as e:
+        return f'error: wrong arguments for {name}: {e}', False
+    try:
+        return str(await asyncio.wait_for(in_thread(tools[name], arguments), timeout)), True
+    except asyncio.TimeoutError:
+        return f'error: {name} did not answer within {timeout:g} seconds', False
+    except Exception as e:
+        return f'error: {name} raised {type(e).__name__}: {e}', False
+
+
+def in_thread(function: Callable, arguments: dict) -> asyncio.Future:
+    """function(**arguments) in a daemon thread, so that the envs and other tools go on meanwhile
+    and a tool that never returns holds up nothing (not even the program's exit)."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result, error):
+        if not future.done():
+            future.set_exception(error) if error else future.set_result(result)
+
+    def work():
+        try:
+            result, error = function(**arguments), None
+        except Exception as e:
+            result, error = None, e
+        try:
+            loop.call_soon_threadsafe(settle, result, error)
+        except RuntimeError:  # the event loop is gone: nobody waits for this answer any more
+            pass
+    threading.Thread(target=work, daemon=True).start()
+    return future
