@@ -161,7 +161,7 @@ def token_loss(logprobs, old_logprobs, advantages, loss_mask, *, epsilon=0.2, ep
     # BEGIN SOLUTION exercise 3: the clipped surrogate loss with the k3 KL
     mask = loss_mask.float()
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
-    log_ratio = logprobs - old_logprobs  # (B, T)
+    log_ratio = logprobs - old_logprobs.detach()  # (B, T); logp_old is a constant
     if level == 'sequence':  # GSPO (arXiv 2507.18071): one ratio per row, the geometric mean
         log_ratio = ((log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(mask)
     ratio = torch.exp(log_ratio)

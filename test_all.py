@@ -489,7 +489,7 @@ def test_a_scheduler_written_for_ms_swift_runs_here(tokenizer, tmp_path):
     assert tokenizer.decode(segment.token_ids).count('[tool: 4 characters]') == 2
 
 
-def test_a_hook_that_rewrites_history_starts_a_new_segment(tokenizer):
+def test_ex5_a_hook_that_rewrites_history_starts_a_new_segment(tokenizer):
     from scheduler import WindowScheduler
     replies = iter(f'<action>{m}</action>' for m in ['left', 'right'] * 9)
     scheduler = WindowScheduler(ScriptedEngine(tokenizer, lambda t: next(replies)), 6, tokenizer=tokenizer,
@@ -684,7 +684,7 @@ def test_format_reward():
     assert reward_funcs['format'] is frozen_lake.format_reward  # registered next to envs['frozen_lake']
 
 
-def test_progress_reward_replays_the_walk():
+def test_ex1_progress_reward_replays_the_walk():
     board = {'role': 'user', 'content': 'P F F F\nF H F F\nF F F G\nF F F F\nThe goal is 2 down and 3 right of you.'}
     def walk(*replies, first=board):
         return frozen_lake.progress_reward([{'role': 'system', 'content': 'x'}, first] + [
@@ -884,14 +884,14 @@ def test_each_task_brings_its_own_rewards_and_held_out_rows(tmp_path):
 
 
 def conformance_cases():
-    """The envs test_env_conformance checks: GYM_ENV_PLUGIN=my_env.py GYM_ENV=my_env picks one."""
+    """The envs test_ex7_env_conformance checks: GYM_ENV_PLUGIN=my_env.py GYM_ENV=my_env picks one."""
     if os.environ.get('GYM_ENV_PLUGIN'):
         return [(os.environ['GYM_ENV_PLUGIN'], os.environ.get('GYM_ENV'))]
     return [(None, 'frozen_lake'), (None, 'arithmetic'), ('the README', 'guess')]
 
 
 @pytest.mark.parametrize('plugin, name', conformance_cases())
-def test_env_conformance(plugin, name, tokenizer, tmp_path):
+def test_ex7_env_conformance(plugin, name, tokenizer, tmp_path):
     """What the scheduler and the trainer rely on, for any env: its expert (or, without one, a
     scripted policy) plays whole games; the same env_config gives the same first observation; close
     runs exactly once per trajectory; a crash in step ends only its own trajectory."""
@@ -966,7 +966,7 @@ def loss(per_token, mask, loss_type='bnpo', denominator=None, trajectory_tokens=
     return grpo.aggregate(per_token, mask, tokens, loss_type, mask.sum() if denominator is None else denominator)
 
 
-def test_group_advantages_by_hand():
+def test_ex2_group_advantages_by_hand():
     adv = grpo.group_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0]), group_size=3, eps=0.0)
     # group 1: mean 1/3, sample std sqrt(((2/3)^2 + 2 (1/3)^2) / 2) = sqrt(1/3)
     s = (1 / 3) ** 0.5
@@ -977,7 +977,20 @@ def test_group_advantages_by_hand():
     assert spread(torch.tensor([1.0, 1.0]), 2) == []
 
 
-def test_group_advantages_without_spread_are_exactly_zero():
+def test_ex2_group_advantages_catch_the_common_slips():
+    rewards = torch.tensor([0.0, 0.001, 0.0, 0.001])  # a tiny spread, where the + 1e-4 matters
+    sample = (4 * 0.0005 ** 2 / 3) ** 0.5  # the sample std (n - 1); the population std would be 0.0005
+    expected = torch.tensor([-1.0, 1.0, -1.0, 1.0]) * 0.0005 / (sample + 1e-4)
+    assert torch.allclose(grpo.group_advantages(rewards, 4), expected, rtol=1e-4), 'sample std, and + 1e-4'
+    assert torch.allclose(grpo.group_advantages(rewards, 4, scale='batch'), expected, rtol=1e-4), 'batch: + 1e-4'
+    # batch std over the valid members only: the errored member's 9 must not enter it
+    valid = torch.tensor([True, True, True, False])
+    got = grpo.group_advantages(torch.tensor([0.0, 1.0, 1.0, 9.0]), 4, valid, scale='batch', eps=0.0)
+    assert torch.allclose(got, torch.tensor([-2 / 3, 1 / 3, 1 / 3, 0.0]) / torch.tensor([0.0, 1.0, 1.0]).std())
+    assert torch.allclose(grpo.group_advantages(rewards, 4, scale='none'), rewards - 0.0005)  # no std, no eps
+
+
+def test_ex2_group_advantages_without_spread_are_exactly_zero():
     # the float mean of eight equal rewards is not exactly them; divided by a std near 0 that would be a signal
     flat = [record(2, 0.5 * (1 / 3)) for _ in range(8)]
     for estimator in ('grpo', 'rloo'):
@@ -985,7 +998,7 @@ def test_group_advantages_without_spread_are_exactly_zero():
         assert scores.trained == [] and not scores.turn_advantages.any(), estimator
 
 
-def test_token_loss_by_hand():
+def test_ex3_token_loss_by_hand():
     mask = torch.tensor([[0, 1, 1, 1]])
     old = torch.zeros(1, 4)
     logp = torch.log(torch.tensor([[9.0, 1.5, 1.1, 0.5]]))  # ratios: (masked), 1.5, 1.1, 0.5
@@ -1012,7 +1025,25 @@ def test_token_loss_by_hand():
         grpo.token_loss(logp, old, torch.tensor([1.0]), mask)[0], mask)
 
 
-def test_gradient_points_the_right_way():
+def test_ex3_token_loss_catches_the_common_slips():
+    # logp_old is a constant: given the very tensor logp (ratio 1), the gradient is still -A grad logp
+    logp = torch.full((1, 3), -0.7, requires_grad=True)
+    mask = torch.tensor([[0, 1, 1]])
+    per_token, _, _ = grpo.token_loss(logp, logp, torch.tensor([2.0]), mask)
+    loss(per_token, mask).backward()
+    assert logp.grad[0].tolist() == pytest.approx([0.0, -1.0, -1.0]), 'detach old_logprobs inside token_loss'
+    # the sequence-level ratio averages the sampled tokens only (mask 1), whatever the others hold
+    log_ratio = torch.tensor([[5.0, 0.1, 0.3]])
+    per_token, _, _ = grpo.token_loss(log_ratio, torch.zeros(1, 3), torch.tensor([1.0]), mask, epsilon=1.0,
+                                      level='sequence')
+    assert per_token[0, 1:].tolist() == pytest.approx([-torch.exp(torch.tensor(0.2)).item()] * 2)
+    # grpo: a trajectory in two segments (rows) is one trajectory: its tokens weigh 1 in all
+    rows = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    total = grpo.aggregate(torch.ones(2, 3), rows, torch.tensor([[5.0], [5.0]]), 'grpo', 1.0)
+    assert total.item() == pytest.approx(1.0), 'grpo divides by the whole trajectory\'s tokens'
+
+
+def test_ex3_gradient_points_the_right_way():
     logits = torch.zeros(2, requires_grad=True)  # a 2-action policy; action 0 sampled
     logp = torch.log_softmax(logits, 0)[0].view(1, 1)
     for adv, sign in ((1.0, 1), (-1.0, -1)):
@@ -1021,18 +1052,18 @@ def test_gradient_points_the_right_way():
         assert sign * grad[0] < 0  # gradient descent raises P(action 0) exactly when A > 0
 
 
-def test_group_advantages_leave_errored_trajectories_out():
+def test_ex2_group_advantages_leave_errored_trajectories_out():
     rewards = torch.tensor([1.0, 0.0, 0.5, 1.0, 0.5, 0.5, 0.0, 1.0, 1.0])
     valid = torch.tensor([True, True, False, True, False, False, True, True, True])
     adv = grpo.group_advantages(rewards, 3, valid, eps=0.0)
     s = 0.5 ** 0.5  # group 1's valid members: 1, 0 -> mean 0.5, sample std sqrt(0.5)
-    assert torch.allclose(adv[:3], torch.tensor([0.5 / s, -0.5 / s, 0.0]))
-    assert torch.equal(adv[3:6], torch.zeros(3))  # one valid member: nothing to compare with
+    assert torch.allclose(adv[:3], torch.tensor([0.5 / s, -0.5 / s, 0.0])), 'the mean and std of valid members only'
+    assert torch.equal(adv[3:6], torch.zeros(3)), 'a group with one valid member has nothing to compare: A = 0'
     assert torch.allclose(adv[6:], grpo.group_advantages(rewards[6:], 3, eps=0.0))
     assert spread(rewards, 3, valid) == [0, 1, 6, 7, 8]
 
 
-def test_errored_trajectories_are_never_trained_on():
+def test_ex2_errored_trajectories_are_never_trained_on():
     # the errored member still says '<action>up</action>' and would earn the format reward
     group = [record(reward=1.0, reply='<action>up</action>'), record(), record(stop='error', reply='<action>up</action>')]
     scores = grpo.score(group, ['format'], [0.5, 1.0], use_gym_env=True, group_size=3, beta=0.0)
@@ -1043,7 +1074,7 @@ def test_errored_trajectories_are_never_trained_on():
     assert grpo.score(flat, [], [1.0], use_gym_env=True, group_size=3, beta=0.1).trained == [0, 1]  # the KL term needs them
 
 
-def test_an_env_whose_reset_raises_scores_zero_and_trains_nothing(tokenizer):
+def test_ex2_an_env_whose_reset_raises_scores_zero_and_trains_nothing(tokenizer):
     class FailingReset(frozen_lake.FrozenLakeEnv):
         async def reset(self, config):
             if self.env_config['seed'] == 1:
@@ -1059,7 +1090,7 @@ def test_an_env_whose_reset_raises_scores_zero_and_trains_nothing(tokenizer):
     assert scores.columns.tolist() == [[1.0, 1.0]] * 2 + [[0.0, 0.0]] * 2 and scores.trained == [0, 1]
 
 
-def test_the_normalisers_count_the_trajectories_that_do_not_train():
+def test_ex3_the_normalisers_count_the_trajectories_that_do_not_train():
     a = 0.5 / (0.5 ** 0.5 + 1e-4)  # the advantages of rewards 1 and 0 in a group of two: +-a
     batch = [record(3, 1.0), record(1, 0.0),  # a winner and a loser: trained, A = +a and -a
              record(2, 0.5), record(2, 0.5),  # no spread, A = 0: not computed, but counted
@@ -1082,7 +1113,7 @@ def test_the_normalisers_count_the_trajectories_that_do_not_train():
     assert total('dr_grpo') == pytest.approx(-(3 * a - 1 * a + 1 * a) / 1280)  # / 8 trajectories x 10 turns x 16
 
 
-def test_gigpo_trains_walks_that_differ_where_the_episodes_do_not():
+def test_ex6_gigpo_trains_walks_that_differ_where_the_episodes_do_not():
     # both walks reach G from the same start, one in 2 moves and one in 3: equal episode rewards, so no
     # episode-level spread, but from cell (0, 0) their discounted returns differ (0.95 against 0.9025)
     def walk(states, step_rewards):
@@ -1090,7 +1121,8 @@ def test_gigpo_trains_walks_that_differ_where_the_episodes_do_not():
         t.num_turns, t.segments[0].turns = len(states), [0, 0] + list(range(1, len(states) + 1))
         return t
     group = [walk([[0, 0], [0, 1]], [0.0, 1.0]), walk([[0, 0], [1, 0], [1, 1]], [0.0, 0.0, 1.0])]
-    assert grpo.step_advantages(group, 2, 0.95, 'none')[:, 0].tolist() == pytest.approx([0.95 - 0.92625, 0.9025 - 0.92625])
+    assert grpo.step_advantages(group, 2, 0.95, 'none')[:, 0].tolist() == pytest.approx(
+        [0.95 - 0.92625, 0.9025 - 0.92625]), 'the discounted returns from (0, 0): 0.95 and 0.95 ** 2'
     walks = [walk([[0, 0]], [0.95]) for _ in range(7)]  # equal returns from one cell: exactly 0, not rounding
     assert not grpo.step_advantages(walks, 7, gamma=0.95, scale='group').any()
     plain = grpo.score(group, [], [1.0], use_gym_env=True, group_size=2, beta=0.0)
@@ -1101,7 +1133,7 @@ def test_gigpo_trains_walks_that_differ_where_the_episodes_do_not():
 
 # ---------------------------------------------------------------- the GRPO variants, each by hand
 
-def test_loss_types_by_hand():
+def test_ex3_loss_types_by_hand():
     mask = torch.tensor([[0, 1, 1, 1], [0, 1, 0, 0]])  # 3 and 1 sampled tokens
     logp = torch.zeros(2, 4)  # ratio 1 everywhere: loss_t = -A
     adv = torch.tensor([1.0, -1.0])
@@ -1116,7 +1148,7 @@ def test_loss_types_by_hand():
         assert sum(halves).item() == pytest.approx(value), loss_type  # micro-batches add up to the batch
 
 
-def test_the_defaults_reproduce_the_plain_loss():
+def test_ex3_the_defaults_reproduce_the_plain_loss():
     torch.manual_seed(0)
     logp, old, ref = torch.randn(3, 6) / 5, torch.randn(3, 6) / 5, torch.randn(3, 6) / 5
     mask, adv = (torch.rand(3, 6) > 0.3).long(), torch.randn(3)
@@ -1128,7 +1160,7 @@ def test_the_defaults_reproduce_the_plain_loss():
     assert torch.allclose(loss(got, mask, config.Args().loss_type), plain, rtol=1e-6, atol=0)
 
 
-def test_advantage_estimators_and_scales_by_hand():
+def test_ex2_advantage_estimators_and_scales_by_hand():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0])
     a = grpo.group_advantages(rewards, 3, estimator='rloo', scale='none')
     assert torch.allclose(a, torch.tensor([1.0, -0.5, -0.5, 0.5, 0.5, -1.0]))  # r minus the mean of the others
@@ -1144,7 +1176,7 @@ def test_advantage_estimators_and_scales_by_hand():
     assert args.scale_rewards == 'none'  # rloo's scale, as ms-swift's, unless --scale_rewards says otherwise
 
 
-def test_sequence_level_ratio_by_hand():
+def test_ex3_sequence_level_ratio_by_hand():
     mask = torch.tensor([[1, 1]])
     old = torch.zeros(1, 2)
     logp = torch.log(torch.tensor([[1.5, 1.0]]))
@@ -1160,7 +1192,7 @@ def test_sequence_level_ratio_by_hand():
     assert sequence[:, 0].tolist() == pytest.approx([-(1.5 ** 0.5), -1.0])
 
 
-def test_rollout_importance_weights_by_hand():
+def test_ex3_rollout_importance_weights_by_hand():
     mask = torch.tensor([[0, 1, 1]])
     trainer = torch.log(torch.tensor([[1.0, 0.5, 0.5]]))
     engine = torch.log(torch.tensor([[1.0, 0.1, 0.5]]))  # token ratios: 5 and 1; their geometric mean sqrt(5)
@@ -1179,7 +1211,7 @@ def test_rollout_importance_weights_by_hand():
     assert torch.equal(with_w, without)
 
 
-def test_overlong_trajectories_are_left_out_of_the_loss_not_the_baseline():
+def test_ex2_overlong_trajectories_are_left_out_of_the_loss_not_the_baseline():
     group = [record(1, 1.0), record(1, 0.0, stop='length'), record(1, 0.0, stop='max_turns')]
     filtered = grpo.score(group, [], [1.0], use_gym_env=True, group_size=3, beta=0.0, overlong_filter=True)
     plain = grpo.score(group, [], [1.0], use_gym_env=True, group_size=3, beta=0.0)
@@ -1241,13 +1273,14 @@ def gigpo_walks():
     return group
 
 
-def test_gigpo_step_advantages_by_hand():
+def test_ex6_gigpo_step_advantages_by_hand():
     group = gigpo_walks()
     step = grpo.step_advantages(group, 3, gamma=0.9, scale='none')
     # returns: 0.9 and 1 (the winner), 0 and 0, 0. Cell (0, 0): 0.9, 0, 0 (mean 0.3); cell (0, 1): 1, 0 (mean 0.5)
-    assert torch.allclose(step, torch.tensor([[0.6, 0.5], [-0.3, -0.5], [-0.3, 0.0]]))
+    assert torch.allclose(step, torch.tensor([[0.6, 0.5], [-0.3, -0.5], [-0.3, 0.0]])), step.tolist()
     s = 0.27 ** 0.5  # the sample std of 0.9, 0, 0
-    assert torch.allclose(grpo.step_advantages(group, 3, 0.9, 'group', eps=0.0)[:, 0], torch.tensor([0.6, -0.3, -0.3]) / s)
+    assert torch.allclose(grpo.step_advantages(group, 3, 0.9, 'group', eps=0.0)[:, 0],
+                          torch.tensor([0.6, -0.3, -0.3]) / s), 'scale group: / (the sample std of the returns + eps)'
     batches = batching.micro_batches(group, step, size=3, pad_id=0)
     by_length = sorted(group, key=lambda t: len(t.segments[0].token_ids))  # the order micro_batches takes
     for row, t in zip(batches[0].advantages, by_length):  # each sampled token takes its turn's advantage
@@ -1255,7 +1288,7 @@ def test_gigpo_step_advantages_by_hand():
         assert torch.allclose(row[:len(turns)][turns > 0], step[i][turns[turns > 0] - 1])
 
 
-def test_gigpo_adds_the_step_level_to_the_group_advantages():
+def test_ex6_gigpo_adds_the_step_level_to_the_group_advantages():
     group = gigpo_walks()
     step = grpo.step_advantages(group, 3, gamma=0.9, scale='none')
     scores = grpo.score(group, [], [1.0], use_gym_env=True, group_size=3, beta=0.0, estimator='gigpo', scale='none',
@@ -1264,7 +1297,7 @@ def test_gigpo_adds_the_step_level_to_the_group_advantages():
     assert torch.allclose(scores.advantages, episode) and torch.allclose(scores.turn_advantages, episode[:, None] + 0.5 * step)
 
 
-def test_zero_adv_groups_leave_errored_members_out(tmp_path):
+def test_ex2_zero_adv_groups_leave_errored_members_out(tmp_path):
     group = [record(1, 1.0), record(1, 1.0), record(1, 0.0, stop='error')]  # the valid members agree
     scores = grpo.score(group, [], [1.0], use_gym_env=True, group_size=3, beta=0.0)
     stats = dict.fromkeys(['loss', 'kl', 'entropy', 'logprob_gap', 'rollout_s', 'train_s', 'sync_s'], 0.0)
@@ -1470,7 +1503,7 @@ def step_records(folder):
 
 
 @slow
-def test_token_logprobs_match_a_full_forward(tiny_model_dir):
+def test_ex4_token_logprobs_match_a_full_forward(tiny_model_dir):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     ids = torch.randint(0, 1000, (2, 12))
@@ -1528,7 +1561,7 @@ def logprobs_and_gradients(model, trajectories, share_prompt, size):
 
 
 @slow
-def test_shared_prompt_update_equals_the_plain_one(tiny_model_dir, monkeypatch):
+def test_ex4_shared_prompt_update_equals_the_plain_one(tiny_model_dir, monkeypatch):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)  # fp32, sdpa attention
     trajectories = shared_prompt_groups()
@@ -1549,7 +1582,7 @@ def test_shared_prompt_update_equals_the_plain_one(tiny_model_dir, monkeypatch):
 
 
 @slow
-def test_train_end_to_end_hf_engine_and_resume(tmp_path, tiny_model_dir):
+def test_ex4_train_end_to_end_hf_engine_and_resume(tmp_path, tiny_model_dir):
     from safetensors.torch import load_file
     rows = tmp_path / 'rows.jsonl'  # the row with "fail" errors in reset; the last row is held out
     rows.write_text(''.join(json.dumps({'messages': [], 'env_config': c}) + '\n'
