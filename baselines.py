@@ -8,12 +8,19 @@ Each policy plays every map once, at most --max_turns moves, with FrozenLake's o
 - the goal line's first word: always the first direction `goal_hint` names (rows before columns);
 - toward G, around holes: the same, never into an adjacent hole (any other safe move if it must);
 - optimal: the shortest path (BFS), which always exists.
+
+`python baselines.py --forks N` writes a training dataset instead (JSONL on stdout): N maps whose
+expert path meets a fork (a cell where both moves toward G are open and one of them is a hole),
+half where the goal line's first word leads into the hole and half where its second word does,
+so that no word-order rule wins them and only the hole tells the moves apart.
 """
 import argparse
+import json
 import random
 import re
 
-from frozen_lake import EVAL_SEED_BASE, MOVES, find, generate_random_map, goal_hint, moved, shortest_path
+from frozen_lake import (EVAL_SEED_BASE, MOVES, expert_move, find, generate_random_map, goal_hint, moved,
+                         shortest_path)
 
 
 def toward(grid, cell, goal):
@@ -30,11 +37,41 @@ def safe(grid, cell, moves):
 POLICIES = {
     'uniform random': lambda grid, cell, goal, rng: rng.choice(list(MOVES)),
     'toward G, blind to holes': lambda grid, cell, goal, rng: rng.choice(toward(grid, cell, goal)),
-    "the goal line's first word": lambda grid, cell, goal, rng: re.search(r'up|down|left|right', goal_hint(grid, *cell))[0],
+    "the goal line's first word": lambda grid, cell, goal, rng: first_word(grid, cell),
     'toward G, around holes': lambda grid, cell, goal, rng: rng.choice(
         safe(grid, cell, toward(grid, cell, goal)) or safe(grid, cell, list(MOVES)) or list(MOVES)),
     'optimal (shortest path)': lambda grid, cell, goal, rng: shortest_path(grid, cell)[0],
 }
+
+
+def first_word(grid, cell) -> str:
+    return re.search(r'up|down|left|right', goal_hint(grid, *cell))[0]
+
+
+def forks(grid) -> list:
+    """The forks the expert's path meets, each 'first' (the goal line's first word leads into
+    the hole) or 'second'."""
+    cell, goal, kinds = find(grid, 'S'), find(grid, 'G'), []
+    while grid[cell[0]][cell[1]] != 'G':
+        near = toward(grid, cell, goal)
+        holes = [m for m in near if m not in safe(grid, cell, near)]
+        if len(near) == 2 and len(holes) == 1:
+            kinds.append('first' if holes[0] == first_word(grid, cell) else 'second')
+        cell = moved(grid, *cell, expert_move(grid, cell))
+    return kinds
+
+
+def fork_rows(n: int, observation: str, first_seed: int = 1000):
+    """n dataset rows, half of maps whose expert path meets only 'first' forks, half 'second'."""
+    picked, seed = {'first': [], 'second': []}, first_seed
+    while min(len(v) for v in picked.values()) < n // 2:
+        kinds = set(forks(generate_random_map(seed=seed)))
+        if len(kinds) == 1 and len(picked[min(kinds)]) < n // 2:
+            picked[min(kinds)].append(seed)
+        seed += 1
+    seeds = [s for pair in zip(picked['first'], picked['second']) for s in pair]
+    return [{'messages': [{'role': 'user', 'content': '<placeholder>'}],
+             'env_config': {'seed': s, 'observation': observation}} for s in seeds]
 
 
 def wins(grid, policy, rng, max_turns: int) -> bool:
@@ -50,7 +87,12 @@ if __name__ == '__main__':
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--max_turns', type=int, default=10, help='most moves a game')
     parser.add_argument('--seed', type=int, default=0, help="the random policies' seed")
+    parser.add_argument('--forks', type=int, default=0, help='write a dataset of this many fork maps')
+    parser.add_argument('--observation', default='around', help="with --forks: the rows' observation")
     args = parser.parse_args()
+    if args.forks:
+        print('\n'.join(json.dumps(row) for row in fork_rows(args.forks, args.observation)))
+        raise SystemExit
     maps = [generate_random_map(seed=EVAL_SEED_BASE + i) for i in range(10_000)]
     for name, policy in POLICIES.items():
         rng = random.Random(args.seed)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from env import Env, UserError, envs, load_dataset, load_plugins, reward_funcs
-from scheduler import GYMScheduler, check_scheduler, multi_turns
+from scheduler import GYMScheduler, MultiTurnScheduler, multi_turns
 
 
 def flag(default, text: str):
@@ -33,63 +33,76 @@ def flag(default, text: str):
 class Args:
     # ---- environment and data (flag names as in ms-swift) ----
     gym_env: str = flag('frozen_lake', 'env for rows without env_config.name (alias --env)')
-    external_plugins: List[str] = flag([], 'python files that register envs, rewards and schedulers')
-    multi_turn_scheduler: str = flag('gym_scheduler', 'a name in scheduler.multi_turns: gym_scheduler, '
-                                     "hint_scheduler, window_scheduler, or a plugin's")
+    external_plugins: List[str] = flag([], 'python files that register envs, rewards and '
+                                           'schedulers')
+    multi_turn_scheduler: str = flag('gym_scheduler', 'a name in scheduler.multi_turns: '
+                                                      'gym_scheduler, hint_scheduler, '
+                                                      "window_scheduler, or a plugin's")
     use_gym_env: bool = flag(True, "use the env's total_reward as the last reward column")
     dataset: str = flag('data.jsonl', 'JSONL rows with messages and env_config')
     split_dataset_ratio: float = flag(0.1, 'share of --dataset held out for evaluation, for envs '
-                                      'without held-out rows of their own')
-    max_turns: int = flag(10, 'most model replies per trajectory, tool calls included (server mode: '
-                          "must equal the server's)")
-    tool_timeout: float = flag(10.0, 'seconds a tool may take before its call is answered with an error')
+                                           'without held-out rows of their own')
+    max_turns: int = flag(10, 'most model replies per trajectory, tool calls included (server '
+                              "mode: must equal the server's)")
+    tool_timeout: float = flag(10.0, 'seconds a tool may take before its call is answered with an '
+                                     'error')
     # ---- model, engine, device ----
     model: Optional[str] = flag(None, 'local folder or hub id; not given: the embedded '
-                                'SmolLM2-135M-Instruct')
-    tuner_type: str = flag('full', 'full fine-tuning, or lora (peft adapters; checkpoints hold the adapter)')
+                                      'SmolLM2-135M-Instruct')
+    tuner_type: str = flag('full', 'full fine-tuning, or lora (peft adapters; checkpoints hold '
+                                   'the adapter)')
     lora_rank: int = flag(8, "with --tuner_type lora: the adapters' rank")
     lora_alpha: int = flag(32, 'with --tuner_type lora: their scale is lora_alpha / lora_rank')
-    target_modules: List[str] = flag(['all-linear'], 'with --tuner_type lora: module names to adapt '
-                                     '(all-linear: every linear layer but the output head)')
+    target_modules: List[str] = flag(['all-linear'], 'with --tuner_type lora: module names to '
+                                                     'adapt (all-linear: every linear layer but '
+                                                     'the output head)')
     device: str = flag('auto', 'where the trainer computes: auto (CUDA when torch sees it; under '
-                       "torchrun each process's own GPU), cuda, or cpu")
-    torch_dtype: str = flag('float32', 'float32, or bfloat16: the forward and backward in bf16 (weights '
-                            'and optimizer state stay fp32); the engine samples in the same dtype')
+                               "torchrun each process's own GPU), cuda, or cpu")
+    torch_dtype: str = flag('float32', 'float32, or bfloat16: the forward and backward in bf16 '
+                                       '(weights and optimizer state stay fp32); the engine '
+                                       'samples in the same dtype')
     engine: str = flag('auto', 'rollout engine: vllm, hf, or auto (vllm when it can start)')
-    vllm_mode: str = flag('colocate', 'colocate: vLLM inside this process; server: rollouts from server.py')
+    vllm_mode: str = flag('colocate', 'colocate: vLLM inside this process; server: rollouts from '
+                                      'server.py')
     vllm_gpu_memory_utilization: float = flag(0.3, 'CUDA: share of GPU memory vLLM may take')
     vllm_kv_cache_gib: float = flag(0.5, 'CPU: GiB of RAM for the vLLM KV cache')
     vllm_server_host: str = flag('127.0.0.1', 'server mode: the rollout server address')
     vllm_server_port: int = flag(8000, 'server mode: the rollout server port')
     vllm_server_pass_dataset: bool = flag(False, "server mode: send each row's env_config to the "
-                                          "server's envs")
-    vllm_server_timeout: float = flag(240.0, 'server mode: seconds to wait for an answer before giving up')
+                                                 "server's envs")
+    vllm_server_timeout: float = flag(240.0, 'server mode: seconds to wait for an answer before '
+                                             'giving up')
     vllm_max_model_len: int = flag(2048, 'longest trajectory, prompt included, in tokens')
     # ---- GRPO ----
     num_generations: int = flag(8, 'trajectories per row (the group size), at least 2')
     rows_per_step: int = flag(4, 'dataset rows per optimizer step')
-    reward_funcs: Optional[List[str]] = flag(None, 'extra reward columns (names the env files register); '
-                                             "not given: the env's own default_reward_funcs "
-                                             "(FrozenLakeEnv's: progress)")
-    reward_weights: Optional[List[float]] = flag(None, 'one weight per column, the gym reward last; not '
-                                                 "given: the env's own (FrozenLakeEnv's: progress 0.5, "
-                                                 'gym 1), else all 1')
-    loss_type: str = flag('bnpo', 'loss normaliser: bnpo/dapo (the batch\'s sampled tokens), grpo (per '
-                          "trajectory; ms-swift's default), dr_grpo (a constant)")
+    reward_funcs: Optional[List[str]] = flag(None, 'extra reward columns (names the env files '
+                                                   "register); not given: the env's own "
+                                                   "default_reward_funcs (FrozenLakeEnv's: "
+                                                   'progress)')
+    reward_weights: Optional[List[float]] = flag(None, 'one weight per column, the gym reward '
+                                                       "last; not given: the env's own "
+                                                       "(FrozenLakeEnv's: progress 0.5, gym 1), "
+                                                       'else all 1')
+    loss_type: str = flag('bnpo', "loss normaliser: bnpo/dapo (the batch's sampled tokens), grpo "
+                                  "(per trajectory; ms-swift's default), dr_grpo (a constant)")
     advantage_estimator: str = flag('grpo', 'grpo (group mean baseline), rloo (leave-one-out '
-                                    'baseline), or gigpo (grpo plus a step-level advantage per anchor state)')
+                                            'baseline), or gigpo (grpo plus a step-level '
+                                            'advantage per anchor state)')
     step_advantage_w: float = flag(1.0, "with gigpo: the step-level advantage's weight")
     gamma: float = flag(0.95, 'with gigpo: the discount of the step-level returns')
-    scale_rewards: Optional[str] = flag(None, 'divide advantages by the std of the group, the batch, '
-                                        'or none; not given: group, and none for rloo (as ms-swift)')
+    scale_rewards: Optional[str] = flag(None, 'divide advantages by the std of the group, the '
+                                              'batch, or none; not given: group, and none for '
+                                              'rloo (as ms-swift)')
     dynamic_sample: bool = flag(False, 'DAPO: replace groups without reward spread by fresh rows')
     max_resample_times: int = flag(3, 'with --dynamic_sample: most extra rollout rounds a step')
     overlong_filter: bool = flag(False, 'leave trajectories cut by a length limit out of the loss')
-    importance_sampling_level: str = flag('token', 'token ratios, or sequence (GSPO: one ratio per '
-                                          'token sequence)')
-    rollout_importance_sampling_mode: Optional[str] = flag(None, 'engine/trainer mismatch correction: '
-                                                           'token_truncate, token_mask, sequence_truncate, '
-                                                           'sequence_mask; not given: off')
+    importance_sampling_level: str = flag('token', 'token ratios, or sequence (GSPO: one ratio '
+                                                   'per token sequence)')
+    rollout_importance_sampling_mode: Optional[str] = flag(None, 'engine/trainer mismatch '
+                                                                 'correction: token_truncate, '
+                                                                 'token_mask, sequence_truncate, '
+                                                                 'sequence_mask; not given: off')
     rollout_importance_sampling_threshold: float = flag(2.0, 'upper bound of those weights')
     beta: float = flag(0.0, 'KL penalty to the starting model (0: no reference model kept)')
     epsilon: float = flag(0.2, 'lower clip range of the ratio')
@@ -98,15 +111,18 @@ class Args:
     temperature: float = flag(0.8, 'sampling temperature of training rollouts (> 0)')
     max_completion_length: int = flag(16, 'most tokens in one reply')
     learning_rate: float = flag(2e-5, 'AdamW learning rate')
-    micro_batch_size: int = flag(8, 'segments (trajectories, unless a scheduler rewrote history) per '
-                                 'forward/backward: memory, not math')
-    share_prompt: bool = flag(True, "compute each prefix the micro-batch's segments share (a group's "
-                              'prompt) once: the same loss and gradients, less work')
-    gradient_checkpointing: bool = flag(True, 'recompute activations in backward: less memory (without '
-                                        'it a default run peaked at 10.2 GiB), about 1.2x more time')
+    micro_batch_size: int = flag(8, 'segments (trajectories, unless a scheduler rewrote history) '
+                                    'per forward/backward: memory, not math')
+    share_prompt: bool = flag(True, "compute each prefix the micro-batch's segments share (a "
+                                    "group's prompt) once: the same loss and gradients, less work")
+    gradient_checkpointing: bool = flag(True, 'recompute activations in backward: less memory '
+                                              '(without it a default run peaked at 10.2 GiB), '
+                                              'about 1.2x more time')
     max_grad_norm: float = flag(1.0, 'gradient clipping')
-    warm_start_steps: int = flag(0, "supervised steps on the env's expert games (Env.expert_reply) "
-                                 'before GRPO')
+    warm_start_learning_rate: Optional[float] = flag(None, "the warm start's learning rate; not "
+                                                     'given: --learning_rate')
+    warm_start_steps: int = flag(0, "supervised steps on the env's expert games "
+                                    '(Env.expert_reply) before GRPO')
     # ---- run ----
     max_steps: int = flag(26, 'optimizer steps')
     eval_steps: int = flag(0, 'evaluate every N steps (0: only before and after)')
@@ -114,13 +130,13 @@ class Args:
     eval_temperature: float = flag(0.0, 'sampling temperature of evaluation (0: greedy)')
     eval_only: bool = flag(False, 'evaluate --model and stop')
     save_steps: int = flag(20, 'checkpoint every N steps (and at the end)')
-    save_only_model: bool = flag(False, 'checkpoints without the optimizer state (a third of the size; '
-                                 '--resume then starts AdamW afresh)')
+    save_only_model: bool = flag(False, 'checkpoints without the optimizer state (a third of the '
+                                        'size; --resume then starts AdamW afresh)')
     output_dir: str = flag('output', 'metrics, completions, checkpoints, plot')
     resume: bool = flag(False, 'continue from the latest checkpoint in --output_dir')
     seed: int = flag(0, "picks each step's rows; seeds vLLM's sampler and torch")
-    report_to: List[str] = flag([], 'dashboards besides metrics.jsonl: tensorboard, wandb (offline)')
-
+    report_to: List[str] = flag([], 'dashboards besides metrics.jsonl: tensorboard, wandb '
+                                    '(offline)')
 
 def truth(text: str) -> bool:
     if text.lower() in ('true', 'yes', '1', 'false', 'no', '0'):
@@ -153,39 +169,54 @@ def parser(description: str, names=None) -> argparse.ArgumentParser:
             kind = float if f.type == Optional[List[float]] else str
             out.add_argument(*flags, nargs='*', type=kind, help=text)
         else:
-            out.add_argument(*flags, type={Optional[str]: str, Optional[float]: float}.get(f.type, f.type),
-                             help=text)
+            kind = {Optional[str]: str, Optional[float]: float}.get(f.type, f.type)
+            out.add_argument(*flags, type=kind, help=text)
     return out
 
 
 def parse_args(argv=None) -> Args:
-    given = vars(parser('GRPO on GYM environments: python train.py --env frozen_lake').parse_args(argv))
+    given = vars(parser('GRPO on GYM environments: train.py --env frozen_lake').parse_args(argv))
     return Args(**{k: v for k, v in given.items() if v is not None})
 
 
-# ---------------------------------------------------------------- input checks, before anything heavy
+# ------------------------------------------------------------ input checks, before anything heavy
 
 LIMITS = {  # flag: (lowest allowed, what it means)
-    'max_turns': (1, 'at least one reply'), 'num_generations': (2, 'a group needs at least 2 trajectories'),
+    'max_turns': (1, 'at least one reply'),
+    'num_generations': (2, 'a group needs at least 2 trajectories'),
     'rows_per_step': (1, 'at least one row'), 'max_completion_length': (1, 'at least one token'),
     'micro_batch_size': (1, 'at least one trajectory'), 'num_iterations': (1, 'at least one pass'),
     'max_steps': (0, 'not negative'), 'warm_start_steps': (0, 'not negative'),
     'eval_steps': (0, 'not negative'), 'eval_size': (0, 'not negative'),
     'save_steps': (1, 'at least 1'), 'beta': (0, 'not negative'), 'epsilon': (0, 'not negative'),
     'eval_temperature': (0, 'not negative'), 'vllm_kv_cache_gib': (0, 'not negative'),
-    'max_resample_times': (0, 'not negative'), 'rollout_importance_sampling_threshold': (1, 'at least 1'),
-    'lora_rank': (1, 'at least 1'), 'lora_alpha': (1, 'at least 1'), 'vllm_max_model_len': (2, 'at least 2'),
+    'max_resample_times': (0, 'not negative'),
+    'rollout_importance_sampling_threshold': (1, 'at least 1'), 'lora_rank': (1, 'at least 1'),
+    'lora_alpha': (1, 'at least 1'), 'vllm_max_model_len': (2, 'at least 2'),
     'tool_timeout': (0, 'not negative'),
 }
 
 CHOICES = {
-    'vllm_mode': ['colocate', 'server'], 'engine': ['auto', 'vllm', 'hf'], 'tuner_type': ['full', 'lora'],
-    'loss_type': ['bnpo', 'grpo', 'dr_grpo', 'dapo'], 'advantage_estimator': ['grpo', 'rloo', 'gigpo'],
-    'scale_rewards': [None, 'group', 'batch', 'none'], 'importance_sampling_level': ['token', 'sequence'],
+    'vllm_mode': ['colocate', 'server'], 'engine': ['auto', 'vllm', 'hf'],
+    'tuner_type': ['full', 'lora'], 'loss_type': ['bnpo', 'grpo', 'dr_grpo', 'dapo'],
+    'advantage_estimator': ['grpo', 'rloo', 'gigpo'],
+    'scale_rewards': [None, 'group', 'batch', 'none'],
+    'importance_sampling_level': ['token', 'sequence'],
     'device': ['auto', 'cpu', 'cuda'], 'torch_dtype': ['float32', 'bfloat16'],
     'rollout_importance_sampling_mode': [None, 'token_truncate', 'token_mask', 'sequence_truncate',
                                          'sequence_mask'],
 }
+
+
+def check_scheduler(name: str):
+    """Refuse, in one line, a name that is not registered or not a MultiTurnScheduler."""
+    if name not in multi_turns:
+        raise UserError(f'--multi_turn_scheduler {name}: not registered; registered: '
+                        f'{", ".join(sorted(multi_turns))}')
+    cls = multi_turns[name]
+    if not (isinstance(cls, type) and issubclass(cls, MultiTurnScheduler)):
+        raise UserError(f"--multi_turn_scheduler {name}: multi_turns['{name}'] is {cls!r}, "
+                        'not a MultiTurnScheduler subclass')
 
 
 def check_game(args):
@@ -199,44 +230,50 @@ def check_game(args):
     load_plugins(args.external_plugins)
     check_scheduler(args.multi_turn_scheduler)
     if args.gym_env not in envs:
-        raise UserError(f'--gym_env {args.gym_env}: not registered; registered: {", ".join(sorted(envs))}')
+        raise UserError(f'--gym_env {args.gym_env}: not registered; registered: '
+                        f'{", ".join(sorted(envs))}')
 
 
 def check_args(args: Args):
     """Every input check that can run before a model loads; fills in --scale_rewards. Returns
     (train rows, eval rows, env class, reward column names, reward weights)."""
     check_game(args)
-    for name, value in (('temperature', args.temperature), ('learning_rate', args.learning_rate)):
-        if not value > 0:
+    for name in ('temperature', 'learning_rate', 'warm_start_learning_rate'):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
             raise UserError(f'--{name} {value}: must be above 0')
     for name in args.report_to:
         if name not in ('tensorboard', 'wandb'):
             raise UserError(f'--report_to {name}: choose from tensorboard, wandb')
         if importlib.util.find_spec(name) is None:
-            raise UserError(f'--report_to {name}: the package {name} is not installed (pip install {name})')
+            raise UserError(f'--report_to {name}: the package {name} is not installed '
+                            f'(pip install {name})')
     if not 0 <= args.split_dataset_ratio < 1:
         raise UserError(f'--split_dataset_ratio {args.split_dataset_ratio}: must be in [0, 1)')
     for name, choices in CHOICES.items():
         if getattr(args, name) not in choices:
-            raise UserError(f'--{name} {getattr(args, name)}: choose from {", ".join(c for c in choices if c)}')
+            raise UserError(f'--{name} {getattr(args, name)}: choose from '
+                            f'{", ".join(c for c in choices if c)}')
     if args.device == 'cuda':
         import torch
         if not torch.cuda.is_available():
-            raise UserError('--device cuda: torch sees no CUDA device (torch.cuda.is_available() is False)')
+            raise UserError('--device cuda: torch sees no CUDA device '
+                            '(torch.cuda.is_available() is False)')
     if args.scale_rewards is None:
         args.scale_rewards = 'none' if args.advantage_estimator == 'rloo' else 'group'
     env_cls = envs[args.gym_env]
     if args.warm_start_steps and env_cls.expert_reply is Env.expert_reply:
-        raise UserError(f'--warm_start_steps {args.warm_start_steps}: env {args.gym_env} has no expert '
-                        '(Env.expert_reply)')
+        raise UserError(f'--warm_start_steps {args.warm_start_steps}: env {args.gym_env} has no '
+                        'expert (Env.expert_reply)')
     names, weights = reward_setup(args, env_cls)
     rows = load_dataset(args.dataset, args.gym_env)
-    own_rows = issubclass(multi_turns[args.multi_turn_scheduler], GYMScheduler)  # else the env plays no part
-    rows, eval_rows = held_out(rows, env_cls if own_rows else None, args.eval_size, args.split_dataset_ratio,
-                               args.dataset)
+    # the env's own held-out rows, if the env plays (a GYMScheduler)
+    own_rows = issubclass(multi_turns[args.multi_turn_scheduler], GYMScheduler)
+    rows, eval_rows = held_out(rows, env_cls if own_rows else None, args.eval_size,
+                               args.split_dataset_ratio, args.dataset)
     if args.rows_per_step > len(rows):
-        raise UserError(f'--rows_per_step {args.rows_per_step}: there are {len(rows)} training rows in '
-                        f'{args.dataset}')
+        raise UserError(f'--rows_per_step {args.rows_per_step}: there are {len(rows)} training '
+                        f'rows in {args.dataset}')
     return rows, eval_rows, env_cls, names, weights
 
 
@@ -263,7 +300,8 @@ def reward_setup(args: Args, env_cls):
 
 
 def held_out(rows, env_cls, eval_size: int, ratio: float, dataset: str):
-    """(training rows, evaluation rows): the env's own held-out rows, else the last share of the dataset."""
+    """(training rows, evaluation rows): the env's own held-out rows, else the last share of the
+    dataset."""
     if not eval_size:
         return rows, []
     own = env_cls.eval_rows(eval_size, rows[0]['env_config']) if env_cls else None
@@ -271,5 +309,6 @@ def held_out(rows, env_cls, eval_size: int, ratio: float, dataset: str):
         return rows, own
     n = min(eval_size, math.ceil(len(rows) * ratio))
     if n >= len(rows):
-        raise UserError(f'--split_dataset_ratio {ratio}: would hold out all {len(rows)} rows of {dataset}')
+        raise UserError(f'--split_dataset_ratio {ratio}: would hold out all {len(rows)} rows of '
+                        f'{dataset}')
     return rows[:len(rows) - n], rows[len(rows) - n:]

@@ -1,7 +1,7 @@
 """The GYM environment interface, its registries, plugin loading and dataset loading.
 
 Implements "Gym 接口", "3. 注册" and "4. 准备数据集" of ms-swift's GYM-env page
-(https://github.com/modelscope/ms-swift/blob/main/docs/source/Instruction/GRPO/DeveloperGuide/GYM环境训练.md).
+(ms-swift's docs/source/Instruction/GRPO/DeveloperGuide/GYM环境训练.md; link in the README).
 
 1. An environment subclasses `Env` and implements three coroutines:
    `reset(config) -> (observation, info, system_message)`,
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
 Messages = List[Dict[str, Any]]  # [{'role': 'system'|'user'|'assistant', 'content': str}, ...]
-INVALID = ('invalid', 'invalid_action')  # info statuses of a reply the env could not read (ours, ms-swift's)
+INVALID = ('invalid', 'invalid_action')  # statuses of an unreadable reply: ours, ms-swift's
 
 
 class UserError(Exception):
@@ -53,8 +53,8 @@ class Env(ABC):
     """
 
     # ---- optional task rules, read by train.py only (ms-swift ignores them) ----
-    default_reward_funcs: Dict[str, float] = {}  # extra reward columns and weights, unless --reward_funcs
-    tools: List[str] = []  # names in tools.tools this env's trajectories may call (a row's `tools` overrides)
+    default_reward_funcs: Dict[str, float] = {}  # extra reward columns, weights (no --reward_funcs)
+    tools: List[str] = []  # tools.tools names its trajectories may call (a row's `tools` overrides)
 
     @classmethod
     def eval_rows(cls, n: int, env_config: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
@@ -64,10 +64,10 @@ class Env(ABC):
 
     @classmethod
     def is_success(cls, rollout_infos: Dict[str, Any]) -> Optional[bool]:
-        """Whether a finished trajectory solved the task; None: evaluation reports the mean reward only."""
+        """Whether a finished trajectory solved the task; None: evaluation gives the mean reward."""
         return None
 
-    draw = None  # optional classmethod draw(ax, rollout_infos): one evaluated game on a matplotlib axis (agent.png)
+    draw = None  # optional classmethod draw(ax, rollout_infos): a game on an axis (agent.png)
 
     def state_key(self):
         """A JSON-able key of the env's state now: --advantage_estimator gigpo compares the turns
@@ -102,7 +102,7 @@ class Env(ABC):
 
 
 envs: Dict[str, Type[Env]] = {}
-reward_funcs: Dict[str, Callable[[Messages], float]] = {}  # --reward_funcs names -> fn(messages) -> float
+reward_funcs: Dict[str, Callable[[Messages], float]] = {}  # --reward_funcs names -> fn(messages)
 
 
 def load_plugins(paths: List[str]) -> None:
@@ -117,7 +117,8 @@ def load_plugins(paths: List[str]) -> None:
         except FileNotFoundError:
             raise UserError(f'--external_plugins {path}: no such file') from None
         except Exception as e:
-            raise UserError(f'--external_plugins {path}: import failed: {type(e).__name__}: {e}') from e
+            raise UserError(f'--external_plugins {path}: import failed: {type(e).__name__}: '
+                            f'{e}') from e
 
 
 def env_name(row: Dict[str, Any], gym_env: str = None) -> str:
@@ -126,7 +127,7 @@ def env_name(row: Dict[str, Any], gym_env: str = None) -> str:
 
 
 def load_dataset(path: str, gym_env: str = None) -> List[Dict[str, Any]]:
-    """Read a JSONL dataset; every row must have `messages` and an `env_config` naming a known env."""
+    """Read a JSONL dataset; every row must have `messages` and an `env_config` of a known env."""
     rows = []
     try:
         lines = open(path, encoding='utf-8').read().splitlines()
@@ -146,7 +147,8 @@ def load_dataset(path: str, gym_env: str = None) -> List[Dict[str, Any]]:
             raise UserError(f'{where}: messages must be a list')
         name = env_name(row, gym_env)
         if name not in envs:
-            got = f'env {name!r} is not registered' if name else 'no env: set --gym_env or env_config.name'
+            got = (f'env {name!r} is not registered' if name
+                   else 'no env: set --gym_env or env_config.name')
             raise UserError(f'{where}: {got}; registered: {", ".join(sorted(envs)) or "none"}')
         rows.append(row)
     if not rows:

@@ -1,4 +1,5 @@
-"""FrozenLake as a text env: the document's example ("示例：从零写一个 FrozenLake 环境"), every rule in one file.
+"""FrozenLake as a text env, every rule in one file: the document's example
+("示例：从零写一个 FrozenLake 环境").
 
 1. `generate_random_map(size, p, seed)`: each cell is ice with probability p, else a hole; S and G
    at random distinct cells; redrawn until G is reachable (BFS). A seed gives the same map anywhere.
@@ -44,7 +45,8 @@ def find(grid: List[str], cell: str):
 
 def moved(grid: List[str], row: int, col: int, move: str):
     """Where one move leads: one cell that way; off the grid, stay (as in Gymnasium)."""
-    return (min(max(row + MOVES[move][0], 0), len(grid) - 1), min(max(col + MOVES[move][1], 0), len(grid) - 1))
+    last = len(grid) - 1
+    return min(max(row + MOVES[move][0], 0), last), min(max(col + MOVES[move][1], 0), last)
 
 
 def shortest_path(grid: List[str], start=None) -> Optional[List[str]]:
@@ -64,10 +66,24 @@ def shortest_path(grid: List[str], start=None) -> Optional[List[str]]:
             return path[::-1]
         for move, (dr, dc) in MOVES.items():
             nxt = (r + dr, c + dc)
-            if 0 <= nxt[0] < size and 0 <= nxt[1] < size and nxt not in parent and grid[nxt[0]][nxt[1]] != 'H':
+            inside = 0 <= nxt[0] < size and 0 <= nxt[1] < size
+            if inside and nxt not in parent and grid[nxt[0]][nxt[1]] != 'H':
                 parent[nxt] = ((r, c), move)
                 queue.append(nxt)
     return None
+
+
+def expert_move(grid: List[str], cell) -> str:
+    """The expert's move from `cell`: one that starts a shortest path to G (BFS), the goal line's
+    first word when that one does, else its second word, else the first in MOVES' order. So it is
+    the goal line's first word unless that way is a hole (or a longer way round)."""
+    words = _WORD.findall(goal_hint(grid, *cell))
+    length = len(shortest_path(grid, cell))
+    for move in words + list(MOVES):
+        r, c = moved(grid, *cell, move)
+        rest = shortest_path(grid, (r, c)) if grid[r][c] != 'H' and (r, c) != cell else None
+        if rest is not None and len(rest) == length - 1:
+            return move
 
 
 def generate_random_map(size: int = 4, p: float = 0.8, seed: Optional[int] = None) -> List[str]:
@@ -142,7 +158,8 @@ def progress_reward(messages: Messages) -> float:
     `format`: docs/results.md, "Why seed 1 wandered"."""
     # BEGIN SOLUTION exercise 1: the progress reward
     board = next(m['content'] for m in messages if m['role'] == 'user').splitlines()
-    grid = [''.join(cells) for cells in map(str.split, board) if cells and all(len(c) == 1 for c in cells)]
+    grid = [''.join(cells) for cells in map(str.split, board)
+            if cells and all(len(c) == 1 for c in cells)]
     (row, col), goal = find(grid, 'P'), find(grid, 'G')
     start = abs(goal[0] - row) + abs(goal[1] - col)
     for reply in (m['content'] for m in messages if m['role'] == 'assistant'):
@@ -160,7 +177,8 @@ class FrozenLakeEnv(Env):
 
     @classmethod
     def eval_rows(cls, n, env_config):  # the training rows' size, p and observation; fresh seeds
-        return [{'messages': [], 'env_config': {**env_config, 'seed': EVAL_SEED_BASE + i}} for i in range(n)]
+        return [{'messages': [], 'env_config': {**env_config, 'seed': EVAL_SEED_BASE + i}}
+                for i in range(n)]
 
     @classmethod
     def is_success(cls, rollout_infos):
@@ -174,14 +192,20 @@ class FrozenLakeEnv(Env):
         colours = {'S': '#cfe8fc', 'F': '#cfe8fc', 'H': '#1f3b57', 'G': '#ffd54f'}
         for r, line in enumerate(grid):
             for c, cell in enumerate(line):
-                ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, facecolor=colours[cell], edgecolor='white', lw=2))
+                ax.add_patch(Rectangle((c - 0.5, r - 0.5), 1, 1, facecolor=colours[cell],
+                                       edgecolor='white', lw=2))
                 if cell in 'SG':
-                    ax.text(c, r, cell, ha='center', va='center', fontsize=14, weight='bold', zorder=3)
+                    ax.text(c, r, cell, ha='center', va='center', fontsize=14, weight='bold',
+                            zorder=3)
         steps = rollout_infos.get('step_infos', [])
         path = [find(grid, 'S')] + [tuple(i['position']) for i in steps if 'position' in i]
-        ax.plot([c for r, c in path], [r for r, c in path], '-o', color='#d62728', lw=3, ms=5, alpha=0.8)
-        ax.set(xlim=(-0.5, len(grid) - 0.5), ylim=(len(grid) - 0.5, -0.5), xticks=[], yticks=[], aspect='equal')
-        end = steps[-1]['status'] if steps and steps[-1].get('status') in ('goal', 'hole') else rollout_infos.get('stop_reason')
+        ax.plot([c for r, c in path], [r for r, c in path], '-o', color='#d62728', lw=3, ms=5,
+                alpha=0.8)
+        ax.set(xlim=(-0.5, len(grid) - 0.5), ylim=(len(grid) - 0.5, -0.5), xticks=[], yticks=[],
+               aspect='equal')
+        end = rollout_infos.get('stop_reason')
+        if steps and steps[-1].get('status') in ('goal', 'hole'):
+            end = steps[-1]['status']
         ax.set_title(f'{end}, {len(steps)} replies', fontsize=9)
 
     def __init__(self, env_config):
@@ -192,15 +216,17 @@ class FrozenLakeEnv(Env):
         self.seed = int(seed) if seed is not None else None
         self.observation = env_config.get('observation', 'goal')
         if self.observation not in ('goal', 'around', 'position'):
-            raise ValueError(f"env_config observation {self.observation!r}: choose goal, around or position")
+            raise ValueError(f'env_config observation {self.observation!r}: choose goal, around or '
+                             'position')
 
     def board(self) -> str:
         """The grid with the player, then (env_config observation) 'goal': where the goal lies;
         'around': that, and what lies each way; 'position': only where the player is, the
         information ms-swift's FrozenLake plugin gives."""
-        where = {'goal': goal_hint(self.grid, self.row, self.col),
-                 'around': f'{goal_hint(self.grid, self.row, self.col)} {around(self.grid, self.row, self.col)}',
-                 'position': f'You are in row {self.row + 1}, column {self.col + 1} (counting from the top left).'}
+        goal = goal_hint(self.grid, self.row, self.col)
+        where = {'goal': goal, 'around': f'{goal} {around(self.grid, self.row, self.col)}',
+                 'position': f'You are in row {self.row + 1}, column {self.col + 1} (counting from '
+                             'the top left).'}
         return f'{render(self.grid, self.row, self.col)}\n{where[self.observation]} Your move?'
 
     async def reset(self, config: RolloutInferRequest):
@@ -211,24 +237,27 @@ class FrozenLakeEnv(Env):
     async def step(self, action: Messages):
         move = parse_action(action[-1]['content'])
         if move is None:
-            observation = ('Invalid reply. Answer with exactly one of <action>up</action>, <action>down</action>, '
-                           f'<action>left</action>, <action>right</action>.\n{self.board()}')
+            observation = ('Invalid reply. Answer with exactly one of <action>up</action>, '
+                           '<action>down</action>, <action>left</action>, <action>right</action>.'
+                           f'\n{self.board()}')
             return observation, 0.0, False, {'status': 'invalid', 'action': None}
         self.row, self.col = moved(self.grid, self.row, self.col, move)
         cell = self.grid[self.row][self.col]
         board = render(self.grid, self.row, self.col)
         info = {'action': move, 'position': [self.row, self.col]}
         if cell == 'G':
-            return f'You moved {move} and reached the goal.\n{board}', 1.0, True, {**info, 'status': 'goal'}
+            return (f'You moved {move} and reached the goal.\n{board}', 1.0, True,
+                    {**info, 'status': 'goal'})
         if cell == 'H':
-            return f'You moved {move} and fell into a hole.\n{board}', 0.0, True, {**info, 'status': 'hole'}
+            return (f'You moved {move} and fell into a hole.\n{board}', 0.0, True,
+                    {**info, 'status': 'hole'})
         return f'You moved {move}.\n{self.board()}', 0.0, False, {**info, 'status': 'ok'}
 
     def state_key(self):
         return self.row, self.col  # the map is the group's: the cell is the state
 
     def expert_reply(self, messages=None):
-        return f'<action>{shortest_path(self.grid, (self.row, self.col))[0]}</action>'
+        return f'<action>{expert_move(self.grid, (self.row, self.col))}</action>'
 
     async def close(self):
         pass

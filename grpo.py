@@ -2,46 +2,47 @@
 
 Implements "--use_gym_env" and "5. （可选）叠加自定义 reward" of the GYM-env document; the formulas
 are the README's "The algorithm", steps 1-6, in that order:
-1. `reward_columns`, `score`: one column per `--reward_funcs` name, the env's `total_reward` last;
-   the reward is their `--reward_weights` sum.
+1. `rewards`: one column per `--reward_funcs` name, the env's `total_reward` last; the reward
+   is their `--reward_weights` sum.
 2. `group_advantages` (and GiGPO's `step_advantages`): each trajectory against its group.
 3-4. `token_loss`: the clipped surrogate and the k3 KL, per sampled token.
 5. `aggregate`: the per-token losses summed and divided by `--loss_type`'s normaliser, whose
    count (`Counts`) is the whole batch's, so micro-batches and processes add up to one batch.
 6. `Scores.trained`: which trajectories the update computes (the others add nothing).
-The trajectories become model inputs, and the trainer's logprobs, in batching.py.
+`score` does 1, 2 and 6 for a step. The trajectories become model inputs in batching.py.
 Left out: entropy bonuses, REINFORCE++, reward models.
 """
 import json
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List
 
 import torch
 
 from env import reward_funcs
 
-
 OVERLONG = ('length', 'context_limit')  # stop reasons of a trajectory cut by a length limit
 
 
-# ---------------------------------------------------------------- 1-2, 6: rewards, advantages, who trains
+# ------------------------------------------------------ 1, 2, 6: rewards, advantages, who trains
 
-def valid(trajectories) -> torch.Tensor:
+def valid_mask(trajectories) -> torch.Tensor:
     """(N,) bool: the trajectories whose env did not raise."""
     return torch.tensor([t.stop_reason != 'error' for t in trajectories])
 
 
-def reward_columns(trajectories, funcs: List[str], use_gym_env: bool) -> torch.Tensor:
-    """(N, K): the --reward_funcs columns, then the gym `total_reward` column last. Each function
-    reads the whole conversation (`Trajectory.messages`); a trajectory whose env raised scores 0
-    (it counts in no group, and its conversation may not even have started)."""
+def rewards(trajectories, funcs: List[str], weights: List[float], use_gym_env: bool):
+    """((N, K) reward columns, (N,) their weighted sum): the --reward_funcs columns, then the gym
+    `total_reward` last. Each function reads the whole conversation (`Trajectory.messages`); a
+    trajectory whose env raised scores 0 (it counts in no group; its game may not have begun)."""
     rows = [[reward_funcs[name](t.messages) if t.stop_reason != 'error' else 0.0 for name in funcs]
-            + ([float(t.rollout_infos.get('total_reward', 0.0))] if use_gym_env else []) for t in trajectories]
-    return torch.tensor(rows, dtype=torch.float32)
+            + ([float(t.rollout_infos.get('total_reward', 0.0))] if use_gym_env else [])
+            for t in trajectories]
+    columns = torch.tensor(rows, dtype=torch.float32)  # (N, K)
+    return columns, columns @ torch.tensor(weights)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, valid: torch.Tensor = None, estimator: str = 'grpo',
-                     scale: str = 'group', eps: float = 1e-4) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, group_size: int, valid: torch.Tensor = None,
+                     estimator: str = 'grpo', scale: str = 'group', eps: float = 1e-4):
     """(N,) rewards, consecutive groups of group_size -> (N,) advantages.
 
     Only valid members (valid: (N,) bool; default all) enter a mean or a std, and an invalid
@@ -58,7 +59,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, valid: torch.Tensor
     n = m.sum(1, keepdim=True)  # (groups, 1) valid members
     centred = r - (r * m).sum(1, keepdim=True) / n.clamp(min=1)  # r - group mean
     if scale == 'group':
-        std = (centred ** 2 * m).sum(1, keepdim=True).div((n - 1).clamp(min=1)).sqrt()  # (groups, 1)
+        std = ((centred ** 2 * m).sum(1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()  # (groups, 1)
     elif scale == 'batch':
         std = rewards[member].std() if member.sum() > 1 else torch.tensor(0.0)
     else:  # 'none'
@@ -79,7 +80,8 @@ def with_spread(rewards: torch.Tensor, group_size: int, valid: torch.Tensor) -> 
     return spread.repeat_interleave(group_size) & valid
 
 
-def step_advantages(trajectories, group_size: int, gamma: float, scale: str, eps: float = 1e-4) -> torch.Tensor:
+def step_advantages(trajectories, group_size: int, gamma: float, scale: str,
+                    eps: float = 1e-4) -> torch.Tensor:
     """(N, T) GiGPO's step-level advantages (arXiv 2505.10978): turn k of trajectory i is judged
     by its discounted return from then on, G = r_k + gamma r_k+1 + ..., against the returns of
     every turn in its group that started from the same env state (an anchor state: the env's
@@ -92,7 +94,7 @@ def step_advantages(trajectories, group_size: int, gamma: float, scale: str, eps
         for i in range(start, start + group_size):
             if trajectories[i].stop_reason == 'error':
                 continue
-            infos, future = trajectories[i].rollout_infos, [0.0]  # future[k]: the return from turn k on
+            infos, future = trajectories[i].rollout_infos, [0.0]  # future[k]: return from turn k
             for r in reversed(infos.get('step_rewards', [])):
                 future.insert(0, r + gamma * future[0])
             for k, (state, ret) in enumerate(zip(infos.get('states', []), future[:-1])):
@@ -115,55 +117,65 @@ class Scores:
     columns: torch.Tensor  # (N, K) reward columns
     rewards: torch.Tensor  # (N,) their weighted sum
     advantages: torch.Tensor  # (N,) group-relative advantages
-    turn_advantages: torch.Tensor  # (N, T) each turn's: the trajectory's, plus gigpo's step-level one
+    turn_advantages: torch.Tensor  # (N, T) each turn's: the trajectory's, plus gigpo's step-level
     valid: torch.Tensor  # (N,) bool: the env did not raise
     in_loss: torch.Tensor  # (N,) bool: valid, and not left out by --overlong_filter
     trained: List[int]  # indices: the trajectories the update computes (README "The algorithm", 6)
 
 
-def score(trajectories, names, weights, *, use_gym_env: bool, group_size: int, beta: float, estimator: str = 'grpo',
-          scale: str = 'group', overlong_filter: bool = False, step_advantage_w: float = 1.0, gamma: float = 0.95) -> Scores:
-    columns = reward_columns(trajectories, names, use_gym_env)  # (N, K)
-    rewards = columns @ torch.tensor(weights)  # (N,)
-    ok = valid(trajectories)
-    advantages = group_advantages(rewards, group_size, ok, 'rloo' if estimator == 'rloo' else 'grpo', scale)  # (N,)
-    # A group whose rewards all agree gets exactly 0: the float mean of equal rewards need not equal them,
-    # and that rounding, divided by a std near 0, would otherwise train on noise.
-    advantages = advantages * with_spread(rewards, group_size, ok)
-    turns = advantages.unsqueeze(1).expand(-1, max([t.num_turns for t in trajectories] + [1]))  # (N, T)
-    if estimator == 'gigpo':
-        turns = turns + step_advantage_w * step_advantages(trajectories, group_size, gamma, scale)
-    in_loss = ok & torch.tensor([not (overlong_filter and t.stop_reason in OVERLONG) for t in trajectories])
+def score(trajectories, names, weights, *, use_gym_env: bool, group_size: int, beta: float,
+          estimator: str = 'grpo', scale: str = 'group', overlong_filter: bool = False,
+          step_advantage_w: float = 1.0, gamma: float = 0.95) -> Scores:
+    columns, reward = rewards(trajectories, names, weights, use_gym_env)  # (N, K), (N,)
+    ok = valid_mask(trajectories)
+    centre = 'rloo' if estimator == 'rloo' else 'grpo'
+    # A group whose rewards all agree gets exactly 0: the float mean of equal rewards need not
+    # equal them, and that rounding, divided by a std near 0, would be trained on as a signal.
+    advantages = group_advantages(reward, group_size, ok, centre, scale)
+    advantages = advantages * with_spread(reward, group_size, ok)
+    per_turn = advantages.unsqueeze(1).expand(-1, max([t.num_turns for t in trajectories] + [1]))
+    if estimator == 'gigpo':  # (N, T)
+        per_turn = per_turn + step_advantage_w * step_advantages(trajectories, group_size, gamma,
+                                                                 scale)
+    cut = torch.tensor([overlong_filter and t.stop_reason in OVERLONG for t in trajectories])
+    in_loss = ok & ~cut
     # Who is computed: with beta = 0 a trajectory whose every turn has A = 0 adds exactly 0 to the
-    # loss and its gradient (it still counts in the normaliser, `Counts`), so the update skips it.
-    # GiGPO's turns can be non-zero where the episode rewards have no spread, so this asks each turn.
+    # loss and its gradient (it still counts in the normaliser, `Counts`), so the update skips it;
+    # GiGPO's turns can be non-zero where the episode rewards agree, so this asks each turn.
     trained = [i for i, t in enumerate(trajectories)
-               if in_loss[i] and t.num_sampled and (beta or turns[i, :max(t.num_turns, 1)].any())]
-    return Scores(columns, rewards, advantages, turns, ok, in_loss, trained)
+               if in_loss[i] and t.num_sampled
+               and (beta or per_turn[i, :max(t.num_turns, 1)].any())]
+    return Scores(columns, reward, advantages, per_turn, ok, in_loss, trained)
 
 
-# ---------------------------------------------------------------- 3-5: the loss
+# ------------------------------------------------------------------------ 3-5: the loss
 
-def token_loss(logprobs, old_logprobs, advantages, loss_mask, *, epsilon=0.2, epsilon_high=None, beta=0.0,
-               ref_logprobs=None, level='token', is_weights=None):
+def row_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(B, 1): each row's mean of x over its mask-1 positions."""
+    return (x * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+
+
+def token_loss(logprobs, old_logprobs, advantages, loss_mask, *, epsilon=0.2, epsilon_high=None,
+               beta=0.0, ref_logprobs=None, level='token', is_weights=None):
     """The per-token terms (B, T) of steps 3-4, before any aggregation: (loss_t, kl_t, clipped_t).
 
     logprobs, old_logprobs, ref_logprobs, loss_mask, is_weights: (B, T); advantages: (B, T), each
     token's, or (B,), one per row.
-    - ratio_t = exp(logp_t - logp_old_t); level 'sequence' (GSPO) gives every token of a row (one
-      segment: one token sequence) the geometric mean of that row's ratios;
+    - ratio_t = exp(logp_t - logp_old_t), logp_old a constant (detached); level 'sequence'
+      (GSPO) gives every token of a row (one segment: one token sequence) the geometric mean of
+      the ratios of that row's *sampled* tokens;
     - surrogate_t = -min(ratio_t A, clip(ratio_t, 1 - epsilon, 1 + epsilon_high) A), times the
       rollout importance weight w_t when given (it corrects the surrogate's sampling, not the KL);
     - kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1 (k3), loss_t = surrogate_t + beta kl_t;
     - clipped_t: the clip acted, i.e. min() took the clipped term: ratio < 1 - epsilon with A < 0,
       or ratio > 1 + epsilon_high with A > 0 (TRL's clip_ratio/region).
-    Values at positions with loss_mask 0 are computed but mean nothing; `aggregate` drops them."""
+    Values where loss_mask is 0 are computed but mean nothing; `aggregate` drops them."""
     # BEGIN SOLUTION exercise 3: the clipped surrogate loss with the k3 KL
     mask = loss_mask.float()
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     log_ratio = logprobs - old_logprobs.detach()  # (B, T); logp_old is a constant
     if level == 'sequence':  # GSPO (arXiv 2507.18071): one ratio per row, the geometric mean
-        log_ratio = ((log_ratio * mask).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(mask)
+        log_ratio = row_mean(log_ratio, mask).expand_as(mask)
     ratio = torch.exp(log_ratio)
     adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)  # (B, T) or (B, 1)
     surrogate = -torch.min(ratio * adv, ratio.clamp(1 - epsilon, 1 + epsilon_high) * adv)  # (B, T)
@@ -181,15 +193,15 @@ def token_loss(logprobs, old_logprobs, advantages, loss_mask, *, epsilon=0.2, ep
 def aggregate(values, loss_mask, trajectory_tokens, loss_type: str, denominator) -> torch.Tensor:
     """One number from per-token values (B, T), README step 5. loss_mask: (B, T);
     trajectory_tokens: (B, 1) the sampled tokens of each row's whole trajectory; denominator:
-    `Counts.denominator`, the whole batch's count, so that the sums of micro-batches and
-    of processes add up to the batch's loss.
+    `Counts.denominator`, the whole batch's count, so that the sums of micro-batches and of
+    processes add up to the batch's loss.
     - bnpo, dapo: sum_t L_t / the batch's sampled tokens;
-    - grpo: sum over trajectories of (sum_t L_t / that trajectory's tokens) / the batch's trajectories;
+    - grpo: sum over trajectories of (sum_t L_t / that trajectory's tokens) / its trajectories;
     - dr_grpo: sum_t L_t / (trajectories x max_turns x max_completion_length)."""
     # BEGIN SOLUTION exercise 3: the clipped surrogate loss with the k3 KL
     per_token = values * loss_mask.float()  # (B, T)
-    if loss_type == 'grpo':
-        per_token = per_token / trajectory_tokens.clamp(min=1)  # each trajectory's tokens weigh 1 in all
+    if loss_type == 'grpo':  # each trajectory's tokens weigh 1 in all
+        per_token = per_token / trajectory_tokens.clamp(min=1)
     return per_token.sum() / denominator
     # END SOLUTION
 
@@ -204,16 +216,19 @@ class Counts:
     trained: float  # trajectories the update computes (none anywhere: no optimizer step)
 
     def denominator(self, loss_type: str, budget: float) -> float:
-        """budget: the batch's trajectories x max_turns x max_completion_length, dr_grpo's constant."""
-        return max({'bnpo': self.tokens, 'dapo': self.tokens, 'grpo': self.trajectories, 'dr_grpo': budget}[loss_type], 1.0)
+        """budget: the batch's trajectories x max_turns x max_completion_length (dr_grpo's)."""
+        counts = {'bnpo': self.tokens, 'dapo': self.tokens, 'grpo': self.trajectories,
+                  'dr_grpo': budget}
+        return max(counts[loss_type], 1.0)
 
 
-def count(trajectories, scores: 'Scores') -> Counts:
+def count(trajectories, scores: Scores) -> Counts:
     """This process's counts."""
     n = [t.num_sampled for t in trajectories]
     return Counts(tokens=float(sum(k for k, ok in zip(n, scores.in_loss) if ok)),
                   trajectories=float(scores.valid.sum()),
-                  sampled=float(sum(k for k, ok in zip(n, scores.valid) if ok)), trained=float(len(scores.trained)))
+                  sampled=float(sum(k for k, ok in zip(n, scores.valid) if ok)),
+                  trained=float(len(scores.trained)))
 
 
 def rollout_is_weights(old_logprobs, engine_logprobs, loss_mask, mode: str, threshold: float):
@@ -221,9 +236,8 @@ def rollout_is_weights(old_logprobs, engine_logprobs, loss_mask, mode: str, thre
     each row (sequence modes: the geometric mean), truncated at or masked above threshold; and
     (B, T) bool, the sampled tokens whose weight was truncated or masked."""
     mask = loss_mask.float()
-    log_w = (old_logprobs - engine_logprobs) * mask  # (B, T)
-    if mode.startswith('sequence'):
-        log_w = (log_w.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(log_w)
+    log_w = old_logprobs - engine_logprobs  # (B, T)
+    log_w = row_mean(log_w, mask).expand_as(log_w) if mode.startswith('sequence') else log_w * mask
     w = torch.exp(log_w).detach()
     over = (w > threshold) & loss_mask.bool()
     w = w.clamp(max=threshold) if mode.endswith('truncate') else w * ~over

@@ -1,13 +1,11 @@
-"""Multi-turn rollouts: ms-swift's hook-based `MultiTurnScheduler` and its `multi_turns` registry,
-the document's `GYMScheduler` (with the tool loop) and three example schedulers.
-
-Implements "启动训练" and "2. GYMScheduler 的 hook 实现" of the GYM-env document; the hooks, in
-the order they run, are in README "Write your own scheduler" (how they differ from ms-swift's:
-docs/ms-swift.md). One turn of one trajectory (`_play_turn`): the engine replies (the live
-trajectories together, one batched call); the reply joins the conversation; `on_turn_end` (the
-env's step, or a tool) or `check_finished` says whether it is over; if not, `step` makes the
-next request and the token record (trajectory.py) follows it.
-Left out: overriding ms-swift's `run` (it needs ms-swift's engine API) and ID-backed messages.
+"""Multi-turn rollouts: ms-swift's hook-based `MultiTurnScheduler` and `multi_turns` registry, the
+document's `GYMScheduler` (with the tool loop) and three example schedulers; "启动训练" and "2.
+GYMScheduler 的 hook 实现" of the GYM-env document. The hooks: docs/ms-swift.md. One turn of one
+trajectory (`_play_turn`): the engine replies (the live trajectories together, one batched call);
+the reply joins the conversation; `on_turn_end` (the env's step, or a tool) or `check_finished`
+says whether it is over; if not, `step` makes the next request, and the token record
+(trajectory.py) follows it. Left out: overriding ms-swift's `run` (it needs ms-swift's engine
+API) and ID-backed messages.
 """
 import asyncio
 import inspect
@@ -26,7 +24,8 @@ class MultiTurnScheduler:
 
     def __init__(self, infer_engine=None, max_turns=10, *args, tokenizer=None,
                  max_completion_length=16, temperature=1.0, max_model_len=2048, **kwargs):
-        self.infer_engine, self.max_turns, self.max_model_len = infer_engine, max_turns, max_model_len
+        self.infer_engine, self.max_turns = infer_engine, max_turns
+        self.max_model_len = max_model_len
         self.tokenizer = tokenizer or getattr(infer_engine, 'tokenizer', None)
         self.max_completion_length, self.temperature = max_completion_length, temperature
         self.record = TokenRecord(self.tokenizer)
@@ -37,7 +36,7 @@ class MultiTurnScheduler:
         """Prepare each request's messages (default: the dataset row's). May return {uuid: error}
         for requests that cannot start (ours; ms-swift's returns nothing)."""
 
-    async def on_turn_end(self, infer_request, response_choice, current_turn: int) -> Dict[str, Any]:
+    async def on_turn_end(self, infer_request, response_choice, current_turn: int) -> Dict:
         """Judge the newest reply: {'done', 'rollout_infos', 'stop_reason'}, each optional."""
         return {}
 
@@ -100,7 +99,7 @@ class MultiTurnScheduler:
             self.record.add(t, sampled, [1] * len(sampled), completion.logprobs, turn)
             self.record.close_turn(t, sampled)
             return
-        before, sampled = deepcopy(t.request.messages), list(completion.token_ids)  # (step may edit them)
+        before, sampled = deepcopy(t.request.messages), list(completion.token_ids)  # step may edit
         ret = await self._hook('step', t.request, completion, turn)
         t.request = ret['infer_request']
         t.rollout_infos.update(ret.get('rollout_infos') or {})
@@ -115,12 +114,11 @@ class MultiTurnScheduler:
         t.stop_reason = None if fits else 'context_limit'
 
     def _room(self) -> int:
-        """The most ids a segment may hold before a reply: a reply of the longest length must fit."""
+        """The most ids a segment may hold before a reply: the longest reply must still fit."""
         return self.max_model_len - self.max_completion_length
 
     def _take_reply(self, t: Trajectory, completion, turn: int):
-        """The reply as text (ms-swift's response_choice.message), added to the model's view of
-        the conversation and to the whole one."""
+        """The reply as text (response_choice.message), in the model's view and the whole game."""
         text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
         completion.message = SimpleNamespace(role='assistant', content=text)
         for messages in (t.request.messages, t.messages):
@@ -150,10 +148,11 @@ class MultiTurnScheduler:
         mask = list(ret.get('response_loss_mask') or [1] * len(ids))
         same = next((k for k, (a, b) in enumerate(zip(ids, sampled)) if a != b),
                     min(len(ids), len(sampled)))  # ids[:same] are still the sampled ones
-        trained = [k for k, m in enumerate(mask) if m]  # positions; each must hold the id sampled there
+        trained = [k for k, m in enumerate(mask) if m]  # positions: each must hold a sampled id
         lp = completion.logprobs
         logprobs = list(ret.get('rollout_logprobs') or [lp[k] for k in trained if k < same])
-        if len(mask) != len(ids) or any(k >= same for k in trained) or len(logprobs) != len(trained):
+        if (len(mask) != len(ids) or any(k >= same for k in trained)
+                or len(logprobs) != len(trained)):
             raise UserError(f'{type(self).__name__}.step: response_loss_mask must be as long as '
                             'response_token_ids and put 1 only on sampled ids at their sampled '
                             'positions (everything before them unchanged), and rollout_logprobs '
@@ -170,8 +169,9 @@ class MultiTurnScheduler:
 
     # ---- the engine, and the hooks' calling convention ----
     async def _generate(self, t: Trajectory):
-        """Queue a trajectory for the engine; the first one queued schedules the call, which runs once
-        every coroutine that was ready has queued its own (asyncio runs ready callbacks in order)."""
+        """Queue a trajectory for the engine; the first one queued schedules the call, which runs
+        once every coroutine that was ready has queued its own (asyncio runs ready callbacks in
+        order)."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
         self._queue.append((t, future))
@@ -186,12 +186,10 @@ class MultiTurnScheduler:
         except Exception as e:
             completions = [e] * len(batch)
         for (_, future), completion in zip(batch, completions):
-            if future.cancelled():  # its run was cancelled while it waited: the others still get theirs
+            if future.cancelled():  # its run was cancelled while it waited; the others go on
                 continue
-            if isinstance(completion, Exception):
-                future.set_exception(completion)
-            else:
-                future.set_result(completion)
+            failed = isinstance(completion, Exception)
+            (future.set_exception if failed else future.set_result)(completion)
 
     def _complete(self, live: List[Trajectory]):
         """One batched engine call: a reply for each trajectory, from its last segment's ids."""
@@ -203,23 +201,19 @@ class MultiTurnScheduler:
         result = getattr(self, name)(*args)
         result = await result if inspect.isawaitable(result) else result
         wanted = {'on_turn_end': (), 'step': ('infer_request',)}.get(name)
-        if wanted is not None and not (isinstance(result, dict) and all(k in result for k in wanted)):
-            raise UserError(f'{type(self).__name__}.{name} returned {type(result).__name__}: it must '
-                            'return a dict' + (" with 'infer_request'" if wanted else ''))
+        good = isinstance(result, dict) and all(k in result for k in wanted or ())
+        if wanted is not None and not good:
+            raise UserError(f'{type(self).__name__}.{name} returned {type(result).__name__}: it '
+                            'must return a dict' + (" with 'infer_request'" if wanted else ''))
         return result
 
 
 class GYMScheduler(MultiTurnScheduler):
-    """The document's GYMScheduler: the env hands out observations and rewards through the hooks,
-    and a reply that calls a tool gets the tool's answer instead (tools.py), if the trajectory
-    may call tools (the row's `tools` column, else the env's `tools`; their schemas join the
-    system message). A tool turn is a turn of --max_turns; a tool slower than `tool_timeout`
-    seconds is answered with an error.
-
-    The env is picked per row by `env_config.name`, else by `gym_env` (--gym_env). rollout_infos:
+    """The document's GYMScheduler: the env (`env_config.name`, else --gym_env) hands out
+    observations and rewards through the hooks; a reply that calls a tool the trajectory may call
+    (the row's `tools`, else the env's) gets the tool's answer instead (tools.py). rollout_infos:
     total_reward, step_rewards, reset_info and step_infos (the env's info dicts), states (the
-    env's state_key before each reply), tool_calls, and `error` when the env raised.
-    """
+    env's state_key before each reply), tools, tool_calls, and `error` when the env raised."""
 
     def __init__(self, *args, gym_env: Optional[str] = None, tool_timeout: float = 10.0, **kwargs):
         super().__init__(*args, **kwargs)
@@ -232,14 +226,16 @@ class GYMScheduler(MultiTurnScheduler):
 
     async def _reset(self, req) -> Optional[str]:
         env_config = req.data_dict.get('env_config') or {}
-        self._infos[req.uuid] = {'total_reward': 0.0, 'step_rewards': [], 'step_infos': [], 'tool_calls': []}
+        self._infos[req.uuid] = {'total_reward': 0.0, 'step_rewards': [], 'step_infos': [],
+                                 'tool_calls': []}
         try:
             self._envs[req.uuid] = env = envs[env_name(req.data_dict, self.gym_env)](env_config)
             env.tools = list(req.data_dict.get('tools', env.tools))  # what this trajectory may call
             observation, info, system_message = await env.reset(req)
         except Exception as e:
             return f'reset: {type(e).__name__}: {e}'
-        self._infos[req.uuid].update(reset_info=info, states=[self._state(env, observation)], tools=env.tools)
+        self._infos[req.uuid].update(reset_info=info, states=[self._state(env, observation)],
+                                     tools=env.tools)
         req.messages = [{'role': 'system', 'content': tools.describe(system_message, env.tools)},
                         {'role': 'user', 'content': observation}]
 
@@ -260,7 +256,8 @@ class GYMScheduler(MultiTurnScheduler):
         infos['step_rewards'].append(float(reward))
         infos['step_infos'].append(info)
         infos['states'].append(self._state(env, observation))
-        self._next[req.uuid] = {'role': 'tool' if call is not None else 'user', 'content': observation}
+        role = 'tool' if call is not None else 'user'
+        self._next[req.uuid] = {'role': role, 'content': observation}
         # Not done: check_finished decides (a reply cut by length ends it, as the last turn does).
         return {'done': True, 'rollout_infos': infos} if done else {'rollout_infos': infos}
 
@@ -286,10 +283,10 @@ class GYMScheduler(MultiTurnScheduler):
 
 
 class HintScheduler(GYMScheduler):
-    """Example: after a reply the env could not read (status 'invalid'), the next observation ends
-    with a reminder of the format. It only appends, so a trajectory stays one segment."""
-    hint = ('Hint: your last reply could not be read. Reply exactly in the format the system message '
-            'asks for.')
+    """Example: after an unreadable reply (status 'invalid') the next observation ends with a
+    reminder of the format; it only appends, so a trajectory stays one segment."""
+    hint = ('Hint: your last reply could not be read. Reply exactly in the format the system '
+            'message asks for.')
 
     def step(self, req, response_choice, turn):
         status = self._infos[req.uuid]['step_infos'][-1].get('status')
@@ -300,9 +297,8 @@ class HintScheduler(GYMScheduler):
 
 
 class WindowScheduler(GYMScheduler):
-    """Example: the conversation keeps the system prompt, the first observation and the last
-    `window` turns (reply and observation). Past that it rewrites history, so from then on each
-    turn is a segment of its own (its window, then the reply)."""
+    """Example: the system prompt, the first observation and the last `window` turns (a reply and
+    the observation after it); past that it rewrites history: each turn is a segment of its own."""
     window = 2
 
     def step(self, req, response_choice, turn):
@@ -314,14 +310,13 @@ class WindowScheduler(GYMScheduler):
 
 
 class ExpertScheduler(GYMScheduler):
-    """The env's expert plays instead of the model (`Env.expert_reply`), making the token record a
-    rollout makes, its replies where sampled tokens would be (mask 1, logprob 0: the expert is
-    sure). train.py's --warm_start_steps trains on these games before GRPO."""
+    """The env's expert plays instead of the model (`Env.expert_reply`): the token record a rollout
+    makes, with its replies as the sampled tokens (logprob 0). For --warm_start_steps."""
 
     def _complete(self, live):
-        closer, envs_of = self.record.turn_closer[:1], self._envs
-        replies = [self.record.encode(envs_of[t.request.uuid].expert_reply(t.request.messages)) + closer
-                   for t in live]
+        closer = self.record.turn_closer[:1]
+        replies = [self.record.encode(self._envs[t.request.uuid].expert_reply(t.request.messages))
+                   + closer for t in live]
         return [SimpleNamespace(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason='stop')
                 for ids in replies]
 
@@ -331,29 +326,18 @@ multi_turns = {'gym_scheduler': GYMScheduler, 'hint_scheduler': HintScheduler,
                'window_scheduler': WindowScheduler}
 
 
-def check_scheduler(name: str):
-    """Refuse, in one line, a name that is not registered or not a MultiTurnScheduler."""
-    if name not in multi_turns:
-        raise UserError(f'--multi_turn_scheduler {name}: not registered; registered: '
-                        f'{", ".join(sorted(multi_turns))}')
-    cls = multi_turns[name]
-    if not (isinstance(cls, type) and issubclass(cls, MultiTurnScheduler)):
-        raise UserError(f"--multi_turn_scheduler {name}: multi_turns['{name}'] is {cls!r}, "
-                        'not a MultiTurnScheduler subclass')
-
-
-def make_scheduler(name: str, engine, tokenizer, *, max_turns: int, gym_env: str, max_model_len: int,
-                   max_completion_length: int = 16, tool_timeout: float = 10.0):
+def make_scheduler(name: str, engine, tokenizer, *, max_turns: int, gym_env: str,
+                   max_model_len: int, max_completion_length: int = 16, tool_timeout: float = 10.0):
     """The --multi_turn_scheduler, as train.py and server.py start it."""
     return multi_turns[name](engine, max_turns, tokenizer=tokenizer, gym_env=gym_env,
-                             max_model_len=max_model_len, max_completion_length=max_completion_length,
-                             tool_timeout=tool_timeout)
+                             max_model_len=max_model_len, tool_timeout=tool_timeout,
+                             max_completion_length=max_completion_length)
 
 
 def requests_for(rows, group_size) -> List[RolloutInferRequest]:
     """group_size requests per dataset row, consecutive, each with its own uuid and a row copy."""
-    return [RolloutInferRequest(messages=deepcopy(row.get('messages', [])),
-                                data_dict=deepcopy({k: v for k, v in row.items() if k != 'messages'}))
+    return [RolloutInferRequest(deepcopy(row.get('messages', [])),
+                                deepcopy({k: v for k, v in row.items() if k != 'messages'}))
             for row in rows for _ in range(group_size)]
 
 

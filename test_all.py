@@ -579,7 +579,7 @@ def test_rewards_read_the_whole_game_after_a_history_rewrite(tokenizer):
         f'<action>{m}</action>' for m in shortest_path(generate_random_map(seed=seed))]
     assert [m['content'] for m in t.messages if m['role'] == 'user'][0] == t.segments[0].messages[1]['content']
     reward_funcs['replies'] = lambda messages: float(sum(m['role'] == 'assistant' for m in messages))
-    assert grpo.reward_columns([t], ['replies'], use_gym_env=True).tolist() == [[5.0, 1.0]]  # the reward sees all five replies, not the last view's one
+    assert grpo.rewards([t], ['replies'], [1.0, 1.0], use_gym_env=True)[0].tolist() == [[5.0, 1.0]]  # the reward sees all five replies, not the last view's one
 
 
 def test_the_whole_conversation_keeps_a_prefilled_reply(tokenizer):
@@ -596,7 +596,7 @@ def test_the_whole_conversation_keeps_a_prefilled_reply(tokenizer):
 
 
 def test_bad_schedulers_are_refused_in_one_line(tokenizer):
-    from scheduler import check_scheduler
+    from config import check_scheduler
 
     class NoDict(GYMScheduler):
         def step(self, req, response_choice, turn):
@@ -1237,14 +1237,14 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups():
     import train
     rows = [{'messages': [], 'env_config': {'seed': s}} for s in range(8)]
     args = config.Args(rows_per_step=2, num_generations=2, dynamic_sample=True, max_resample_times=10)
-    trajectories, rounds = train.play(RowRollouts(), rows, 1, args, [], [1.0])
+    trajectories, rounds = train.collect(RowRollouts(), rows, 1, args, [], [1.0])
     assert {t.request.data_dict['env_config']['seed'] for t in trajectories} == {6, 7} and 1 <= rounds <= 6
-    plain, rounds = train.play(RowRollouts(), rows, 1, config.Args(rows_per_step=2, num_generations=2), [], [1.0])
+    plain, rounds = train.collect(RowRollouts(), rows, 1, config.Args(rows_per_step=2, num_generations=2), [], [1.0])
     assert rounds == 0 and len(plain) == 4  # off by default: the step's rows, whatever their spread
     args = config.Args(rows_per_step=2, num_generations=2, dynamic_sample=True, max_resample_times=0)
-    assert train.play(RowRollouts(), rows, 1, args, [], [1.0])[1] == 0
+    assert train.collect(RowRollouts(), rows, 1, args, [], [1.0])[1] == 0
     args = config.Args(rows_per_step=4, num_generations=2, dynamic_sample=True, max_resample_times=2)
-    assert len(train.play(RowRollouts(informative=(7,)), rows, 1, args, [], [1.0])[0]) == 8  # too few: filled up
+    assert len(train.collect(RowRollouts(informative=(7,)), rows, 1, args, [], [1.0])[0]) == 8  # too few: filled up
 
 
 def test_dynamic_sampling_processes_draw_different_fresh_rows():
@@ -1254,7 +1254,7 @@ def test_dynamic_sampling_processes_draw_different_fresh_rows():
     for step in range(1, 6):  # one informative row: each process looks for it, in rows of its own
         sources = [RowRollouts(informative=(7,)), RowRollouts(informative=(7,))]
         for rank, source in enumerate(sources):
-            train.play(source, rows, step, args, [], [1.0], rank=rank, world=2)
+            train.collect(source, rows, step, args, [], [1.0], rank=rank, world=2)
         first = random.Random(args.seed * 100_003 + step).sample(range(8), 2)  # the step's own rows
         fresh = [set(source.rows) - set(first) for source in sources]
         assert not fresh[0] & fresh[1], (step, fresh)

@@ -1,18 +1,18 @@
 """GRPO on GYM environments: `python train.py --env frozen_lake`.
 
 Implements "6. 训练" of the GYM-env document; colocate mode by default, server mode with
-`--vllm_mode server` (server.py). Each step:
+`--vllm_mode server` (server.py). Each step (`main`):
 1. rollout: --rows_per_step dataset rows, --num_generations trajectories each (a group shares
    its row's env_config, so it plays the same map), played against their envs (scheduler.py);
 2. rewards and advantages: reward columns, weighted sum, group-relative advantages (grpo.py);
-3. update: the trainer recomputes the sampled tokens' logprobs, GRPO loss, one optimizer step
-   (--num_iterations passes) on the groups that teach something;
+3. update: the trainer recomputes the sampled tokens' logprobs, the GRPO loss, one optimizer
+   step per --num_iterations pass (`train_step`);
 4. sync: push the new weights into the engine (engines.py);
 5. log: one line, metrics.jsonl, completions.jsonl; evaluate and checkpoint every few steps.
 The flags and their checks are in config.py; the task's own rules (extra rewards, held-out rows,
-success) come from its env class (env.py).
-LoRA (peft) and several processes (torchrun) are options; docs/speed-and-scaling.md.
-Left out: CPU mixed precision, learning-rate schedules, reward models, FSDP/DeepSpeed.
+success, its expert) come from its env class (env.py). LoRA (peft), several processes (torchrun)
+and a GPU are options: docs/speed-and-scaling.md.
+Left out: learning-rate schedules, reward models, FSDP/DeepSpeed.
 """
 import contextlib
 import dataclasses
@@ -23,22 +23,22 @@ import shutil
 import sys
 import time
 
-os.environ.setdefault('TORCH_CPP_LOG_LEVEL', 'ERROR')  # read once, when torch loads: quiets vLLM-CPU's NUMA notice
+os.environ.setdefault('TORCH_CPP_LOG_LEVEL', 'ERROR')  # before torch loads: quiets vLLM-CPU's NUMA line
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import arithmetic  # noqa: F401  (registers envs['arithmetic'] and tools['calculator'])
-import frozen_lake  # noqa: F401  (registers envs['frozen_lake'] and its rewards)
-import batching
-import grpo
-from config import Args, check_args, parse_args
-from engines import Colocated, RolloutClient, embedded_model, make_engine, quiet
-from env import UserError
-from logs import RunLog
-from scheduler import ExpertScheduler, make_scheduler
+import arithmetic  # noqa: F401,E402  (registers envs['arithmetic'] and tools['calculator'])
+import batching  # noqa: E402
+import frozen_lake  # noqa: F401,E402  (registers envs['frozen_lake'] and its rewards)
+import grpo  # noqa: E402
+from config import Args, check_args, parse_args  # noqa: E402
+from engines import Colocated, RolloutClient, embedded_model, make_engine, quiet  # noqa: E402
+from env import UserError  # noqa: E402
+from logs import RunLog  # noqa: E402
+from scheduler import ExpertScheduler, make_scheduler  # noqa: E402
 
 
-# ---------------------------------------------------------------- models, rollouts, checkpoints
+# ------------------------------------------------------------ models, rollouts, checkpoints
 
 def load_policy(path: str, args: Args, device: torch.device):
     """The model at `path` on `device`, a full model folder or a LoRA adapter folder (its base
@@ -50,28 +50,29 @@ def load_policy(path: str, args: Args, device: torch.device):
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     if args.gradient_checkpointing:
         model.gradient_checkpointing_enable()
-    if os.path.exists(adapter) or args.tuner_type == 'lora':
-        from peft import LoraConfig, PeftModel, get_peft_model
-        if os.path.exists(adapter):
-            model = PeftModel.from_pretrained(model, path, is_trainable=True)
-        else:
-            target = args.target_modules[0] if args.target_modules == ['all-linear'] else args.target_modules
-            model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
-                                                     target_modules=target, task_type='CAUSAL_LM'))
+    if os.path.exists(adapter):
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, path, is_trainable=True)
+    elif args.tuner_type == 'lora':
+        from peft import LoraConfig, get_peft_model
+        target = 'all-linear' if args.target_modules == ['all-linear'] else args.target_modules
+        model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
+                                                 target_modules=target, task_type='CAUSAL_LM'))
     return model.to(device)
 
 
 def pick_device(choice: str) -> torch.device:
-    """--device auto: CUDA where it is present (under torchrun: this process's GPU), else the CPU."""
-    if choice == 'cuda' or (choice == 'auto' and torch.cuda.is_available()):  # (config.check_args checked it)
+    """--device auto: CUDA where torch sees it (under torchrun, this process's GPU), else CPU."""
+    if choice == 'cuda' or (choice == 'auto' and torch.cuda.is_available()):
         return torch.device('cuda', int(os.environ.get('LOCAL_RANK', 0)))
     return torch.device('cpu')
 
 
 def load_models(args: Args, device: torch.device, rank: int = 0):
-    """(tokenizer, model, reference model or None, optimizer, first step). On --resume the model and
-    optimizer come from the checkpoint; the reference model is always the starting model (with
-    LoRA: the same model with its adapters switched off, so None here)."""
+    """(tokenizer, model, reference model or None, optimizer, first step). On --resume the model
+    and optimizer come from the checkpoint. The KL anchor is always the starting model, --model
+    (with LoRA: the same model, its adapters off, so None here), also after a warm start: to
+    anchor at the warm-started model, run the warm start alone and start again from checkpoint-0."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     start = args.model or embedded_model()
     path, state = start, None
@@ -87,42 +88,45 @@ def load_models(args: Args, device: torch.device, rank: int = 0):
         raise UserError(f'--model {path}: cannot load: {str(e).splitlines()[0]}') from None
     model = load_policy(path, args, device)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    if rank == 0:
-        print(f'model: {start} ({args.tuner_type}), trainable parameters: {sum(p.numel() for p in trainable):,} '
-              f'of {sum(p.numel() for p in model.parameters()):,}')
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=0.0)
     if state and 'optimizer' in state:  # (none with --save_only_model: AdamW starts afresh)
         optimizer.load_state_dict(state['optimizer'])
-        if rank == 0:
-            print(f"resumed from {path} at step {state['step']}")
-    lora = hasattr(model, 'peft_config')
+    if rank == 0:
+        total = sum(p.numel() for p in model.parameters())
+        print(f'model: {start} ({args.tuner_type}), trainable parameters: '
+              f'{sum(p.numel() for p in trainable):,} of {total:,}'
+              + (f"\nresumed from {path} at step {state['step']}" if state else ''))
     ref_model = None
-    if args.beta and not lora:
-        ref_model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32).to(device).eval()
+    if args.beta and not hasattr(model, 'peft_config'):
+        ref_model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32).to(device)
+        ref_model.eval()
     return tokenizer, model, ref_model, optimizer, state['step'] if state else 0
 
 
 def make_rollouts(args: Args, model, tokenizer, rank: int = 0):
     """The rollout source: the rollout server (server mode) or an engine in this process."""
     if args.vllm_mode == 'server':
-        rollouts = RolloutClient(f'http://{args.vllm_server_host}:{args.vllm_server_port}', tokenizer, model.config,
-                                 args.max_turns, args.max_completion_length, args.vllm_server_pass_dataset,
-                                 args.vllm_server_timeout)
-        rollouts.load_weights(model)  # the server may hold other weights (a restart, a --resume)
-        return rollouts
-    engine = make_engine(args.engine, model.name_or_path, model, tokenizer, seed=args.seed + rank,
-                         max_model_len=args.vllm_max_model_len, kv_cache_gib=args.vllm_kv_cache_gib,
-                         gpu_memory_utilization=args.vllm_gpu_memory_utilization, dtype=args.torch_dtype)
-    scheduler = make_scheduler(args.multi_turn_scheduler, engine, tokenizer, max_turns=args.max_turns,
-                               gym_env=args.gym_env, max_model_len=args.vllm_max_model_len,
-                               max_completion_length=args.max_completion_length, tool_timeout=args.tool_timeout)
-    rollouts = Colocated(engine, scheduler)
-    if hasattr(model, 'peft_config'):  # the engine loaded the base model; the adapters may not be zero
-        rollouts.load_weights(model)
-    return rollouts
+        source = RolloutClient(f'http://{args.vllm_server_host}:{args.vllm_server_port}', tokenizer,
+                               model.config, args.max_turns, args.max_completion_length,
+                               args.vllm_server_pass_dataset, args.vllm_server_timeout)
+        source.load_weights(model)  # the server may hold other weights (a restart, a --resume)
+        return source
+    engine = make_engine(args.engine, model.name_or_path, model, tokenizer, dtype=args.torch_dtype,
+                         seed=args.seed + rank, max_model_len=args.vllm_max_model_len,
+                         kv_cache_gib=args.vllm_kv_cache_gib,
+                         gpu_memory_utilization=args.vllm_gpu_memory_utilization)
+    scheduler = make_scheduler(args.multi_turn_scheduler, engine, tokenizer,
+                               max_turns=args.max_turns, gym_env=args.gym_env,
+                               max_model_len=args.vllm_max_model_len,
+                               max_completion_length=args.max_completion_length,
+                               tool_timeout=args.tool_timeout)
+    source = Colocated(engine, scheduler)
+    if hasattr(model, 'peft_config'):  # the engine loaded the base model; the adapters may not be 0
+        source.load_weights(model)
+    return source
 
 
-def save_checkpoint(model, tokenizer, optimizer, step: int, output_dir: str, only_model: bool = False):
+def save_checkpoint(model, tokenizer, optimizer, step: int, output_dir: str, only_model=False):
     """Write checkpoint-STEP beside the old one, then flip `latest` to it with an atomic rename:
     a kill at any moment leaves `latest` pointing at a whole checkpoint."""
     final = os.path.join(output_dir, f'checkpoint-{step}')
@@ -143,62 +147,65 @@ def save_checkpoint(model, tokenizer, optimizer, step: int, output_dir: str, onl
             shutil.rmtree(os.path.join(output_dir, old), ignore_errors=True)
 
 
-# ---------------------------------------------------------------- the update
+# ------------------------------------------------------------------------------ the update
 
 SUMS = ('loss', 'kl', 'clipped', 'entropy', 'gap', 'is_clipped', 'computed')  # what a pass adds up
 
 
-def train_step(model, ref_model, optimizer, trajectories, scores: grpo.Scores, args: Args, pad_id: int) -> dict:
+def train_step(model, ref_model, optimizer, trajectories, scores: grpo.Scores, args: Args,
+               pad_id: int) -> dict:
     """README "The algorithm", steps 3-5, on this process's share of the step's trajectories:
     1. the normalisers' counts over every process (grpo.Counts), and the micro-batches;
     2. logp_old and the KL anchor's logprobs, without gradients (`anchors`);
-    3. a pass over the micro-batches that train: per-token losses, one number each, backward;
-       the first pass also measures those that do not, so that `entropy` and `logprob_gap`
-       cover every valid sampled token (`one_pass`, `measure`);
+    3. a pass over the micro-batches that train: per-token losses, one number each, backward
+       (`one_pass`); the first pass also measures the others, so that `entropy` and
+       `logprob_gap` cover every valid sampled token (`measure`);
     4. the gradients added up over the processes, clipped, one optimizer step (`reduce_and_clip`);
-       3-4 once per --num_iterations. `updated` says whether any process had anything to train."""
+       3-4 once per --num_iterations. `updated`: whether any process had anything to train."""
     world = dist.get_world_size() if dist.is_initialized() else 1
-    counts = grpo.Counts(*all_sum(torch.tensor(dataclasses.astuple(grpo.count(trajectories, scores)),
-                                               dtype=torch.float64, device=model.device), world).tolist())
+    local = torch.tensor(dataclasses.astuple(grpo.count(trajectories, scores)), dtype=torch.float64)
+    counts = grpo.Counts(*all_sum(local.to(model.device), world).tolist())
     budget = args.rows_per_step * args.num_generations * args.max_turns * args.max_completion_length
     trained, measured = step_batches(model, trajectories, scores, args, pad_id)
-    stats = {'loss': 0.0, 'kl': 0.0, 'clip_ratio': 0.0, 'grad_norm': 0.0, 'skipped': 0, 'updated': counts.trained > 0}
-    if not counts.trained:  # nothing trains anywhere: no optimizer step (Adam's momentum would still move)
-        sums = dict(zip(SUMS, all_sum(measure(model, measured, args), world).tolist()))
-        return {**stats, 'entropy': sums['entropy'] / max(counts.sampled, 1), 'is_clipped': 0.0,
-                'logprob_gap': sums['gap'] / max(counts.sampled, 1)}
+    stats = {'loss': 0.0, 'kl': 0.0, 'clip_ratio': 0.0, 'grad_norm': 0.0, 'skipped': 0,
+             'is_clipped': 0.0, 'updated': counts.trained > 0}
     model.train()  # gradient checkpointing is active in train mode only (Llama has no dropout)
     old, ref = anchors(model, ref_model, trained, args)
-    is_weights, passes = [None] * len(trained), args.num_iterations
-    for iteration in range(passes):
+    is_weights, passes = [None] * len(trained), args.num_iterations if counts.trained else 0
+    for iteration in range(max(passes, 1)):  # nothing trains anywhere: measure only, no step
         optimizer.zero_grad(set_to_none=True)
-        sums = one_pass(model, trained, old, ref, is_weights, counts.denominator(args.loss_type, budget), args)
-        sums = dict(zip(SUMS, all_sum(sums + measure(model, measured if iteration == 0 else [], args), world).tolist()))
+        denominator = counts.denominator(args.loss_type, budget)
+        sums = one_pass(model, trained, old, ref, is_weights, denominator, args)
+        sums += measure(model, measured if iteration == 0 else [], args)
+        sums = dict(zip(SUMS, all_sum(sums, world).tolist()))
         if iteration == 0:  # later passes see weights the engine never sampled from
-            stats.update(entropy=sums['entropy'] / max(counts.sampled, 1), logprob_gap=sums['gap'] / max(counts.sampled, 1),
+            stats.update(entropy=sums['entropy'] / max(counts.sampled, 1),
+                         logprob_gap=sums['gap'] / max(counts.sampled, 1),
                          is_clipped=sums['is_clipped'] / max(sums['computed'], 1))
+        if not passes:
+            break
         stats['kl'] += sums['kl'] / max(counts.tokens, 1) / passes
         stats['clip_ratio'] += sums['clipped'] / max(counts.tokens, 1) / passes
         grad_norm = reduce_and_clip(model, args.max_grad_norm, world)
-        if not torch.isfinite(grad_norm):  # the same on every process
-            print(f"warning: non-finite loss ({sums['loss']}) or gradient norm; update skipped, weights unchanged")
+        if torch.isfinite(grad_norm):  # the same on every process
+            optimizer.step()
+            stats.update(loss=stats['loss'] + sums['loss'] / passes, grad_norm=grad_norm.item())
+        else:
+            print(f"warning: non-finite loss ({sums['loss']}) or gradient norm; update skipped")
             optimizer.zero_grad(set_to_none=True)
             stats['skipped'] += 1
-            continue
-        optimizer.step()
-        stats['loss'] += sums['loss'] / passes
-        stats['grad_norm'] = grad_norm.item()
     model.eval()
     return stats
 
 
 def step_batches(model, trajectories, scores: grpo.Scores, args: Args, pad_id: int):
-    """(the micro-batches that train, those only measured: valid, with sampled tokens, not trained),
-    on the model's device."""
-    rest = [i for i, t in enumerate(trajectories) if scores.valid[i] and t.num_sampled and i not in scores.trained]
-    return ([b.to(model.device) for b in batching.micro_batches([trajectories[i] for i in rows], advantages,
-                                                            size=args.micro_batch_size, pad_id=pad_id,
-                                                            share_prompt=args.share_prompt)]
+    """(the micro-batches that train, those only measured: valid, with sampled tokens, not
+    trained), on the model's device."""
+    rest = [i for i, t in enumerate(trajectories)
+            if scores.valid[i] and t.num_sampled and i not in scores.trained]
+    return ([b.to(model.device) for b in batching.micro_batches(
+                [trajectories[i] for i in rows], advantages, size=args.micro_batch_size,
+                pad_id=pad_id, share_prompt=args.share_prompt)]
             for rows, advantages in ((scores.trained, scores.turn_advantages[scores.trained]),
                                      (rest, torch.zeros(len(rest)))))
 
@@ -214,31 +221,35 @@ def one_pass(model, batches, old, ref, is_weights, denominator: float, args: Arg
         old_k = old[k] if old else logprobs.detach()  # one pass: logp_old is logp itself, ratio 1
         over = torch.zeros_like(b.loss_mask, dtype=torch.bool)
         if args.rollout_importance_sampling_mode and is_weights[k] is None:
-            is_weights[k], over = grpo.rollout_is_weights(old_k, b.engine_logprobs, b.loss_mask,
-                                                          args.rollout_importance_sampling_mode,
-                                                          args.rollout_importance_sampling_threshold)
+            is_weights[k], over = grpo.rollout_is_weights(
+                old_k, b.engine_logprobs, b.loss_mask, args.rollout_importance_sampling_mode,
+                args.rollout_importance_sampling_threshold)
         per_token, kl, clipped = grpo.token_loss(
-            logprobs, old_k, b.advantages, b.loss_mask, epsilon=args.epsilon, epsilon_high=args.epsilon_high,
-            beta=args.beta, ref_logprobs=ref[k] if ref else None, level=args.importance_sampling_level,
-            is_weights=is_weights[k])
-        loss = grpo.aggregate(per_token, b.loss_mask, b.trajectory_tokens, args.loss_type, denominator)
+            logprobs, old_k, b.advantages, b.loss_mask, epsilon=args.epsilon,
+            epsilon_high=args.epsilon_high, beta=args.beta, ref_logprobs=ref[k] if ref else None,
+            level=args.importance_sampling_level, is_weights=is_weights[k])
+        loss = grpo.aggregate(per_token, b.loss_mask, b.trajectory_tokens, args.loss_type,
+                              denominator)
         loss.backward()
         mask = b.loss_mask
         sums += torch.stack([loss.detach(), (kl.detach() * mask).sum(), (clipped * mask).sum(),
-                             (entropies * mask).sum(), gap(logprobs, b), (over * mask).sum(), mask.sum()]).double()
+                             (entropies * mask).sum(), gap(logprobs, b), (over * mask).sum(),
+                             mask.sum()]).double()
     return sums
 
 
 def anchors(model, ref_model, batches, args: Args):
     """(logp_old, the KL anchor's logprobs), per micro-batch, without gradients; None when not
-    needed. logp_old is the policy before this step (only --num_iterations > 1 needs it: with one
-    pass it equals logp, detached); the anchor is the starting model (with LoRA: the same model,
-    adapters off)."""
-    device = model.device
-    with torch.no_grad(), precision(args, device):
-        old = [batching.token_logprobs(model, b, args.temperature)[0] for b in batches] if args.num_iterations > 1 else None
-        with model.disable_adapter() if args.beta and ref_model is None else contextlib.nullcontext():  # LoRA
-            ref = [batching.token_logprobs(ref_model or model, b, args.temperature)[0] for b in batches] if args.beta else None
+    needed: logp_old (the policy before this step) only with --num_iterations > 1, the anchor
+    (load_models) only with --beta > 0 (with LoRA: the same model, adapters off)."""
+    old, ref = None, None
+    with torch.no_grad(), precision(args, model.device):
+        if args.num_iterations > 1:
+            old = [batching.token_logprobs(model, b, args.temperature)[0] for b in batches]
+        if args.beta:
+            with model.disable_adapter() if ref_model is None else contextlib.nullcontext():
+                ref = [batching.token_logprobs(ref_model or model, b, args.temperature)[0]
+                       for b in batches]
     return old, ref
 
 
@@ -289,53 +300,60 @@ def warm_start(model, optimizer, rows, args: Args, tokenizer, rank: int = 0, wor
     and temperature 1. The ratio is then 1, so the loss's gradient is that of the replies' mean
     negative log-likelihood under the model itself (the loss's value is -1; the log-likelihood is
     what logprob_gap shows, the expert's logprobs being 0). SCOUT (arXiv 2601.21754) warms up so."""
-    expert = Colocated(None, ExpertScheduler(None, args.max_turns, tokenizer=tokenizer, gym_env=args.gym_env,
+    expert = Colocated(None, ExpertScheduler(None, args.max_turns, tokenizer=tokenizer,
+                                             gym_env=args.gym_env,
                                              max_model_len=args.vllm_max_model_len))
-    supervised = dataclasses.replace(args, num_iterations=1, beta=0.0, rollout_importance_sampling_mode=None,
-                                     temperature=1.0, loss_type='bnpo', importance_sampling_level='token')
+    supervised = dataclasses.replace(args, num_iterations=1, beta=0.0, temperature=1.0,
+                                     loss_type='bnpo', rollout_importance_sampling_mode=None,
+                                     importance_sampling_level='token')
     rng = random.Random(args.seed)
+    for group in optimizer.param_groups:  # its own learning rate, if --warm_start_learning_rate
+        group['lr'] = args.warm_start_learning_rate or args.learning_rate
     for step in range(1, args.warm_start_steps + 1):
-        picked = rng.sample(rows, min(len(rows), args.rows_per_step * args.num_generations))[rank::world]
+        games_a_step = min(len(rows), args.rows_per_step * args.num_generations)
+        picked = rng.sample(rows, games_a_step)[rank::world]
         games = expert.rollout(picked, 1, 0.0)
-        ones = torch.ones(len(games), max([t.num_turns for t in games] + [1]))
         everyone = torch.ones(len(games), dtype=torch.bool)
+        ones = torch.ones(len(games), max([t.num_turns for t in games] + [1]))
         scores = grpo.Scores(None, None, None, ones, everyone, everyone, list(range(len(games))))
-        stats = train_step(model, None, optimizer, games, scores, supervised, tokenizer.pad_token_id)
-        if rank == 0:  # the expert's logprobs are 0, so the gap is the replies' mean negative log-likelihood
+        stats = train_step(model, None, optimizer, games, scores, supervised,
+                           tokenizer.pad_token_id)
+        if rank == 0:
             print(f"warm start {step}/{args.warm_start_steps}: the expert's replies, mean -logprob "
                   f"{stats['logprob_gap']:.3f}")
+    for group in optimizer.param_groups:
+        group['lr'] = args.learning_rate
     return stats
 
 
-def play(rollouts, rows, step: int, args: Args, names, weights, rank: int = 0, world: int = 1):
+# -------------------------------------------------------------------------------- the loop
+
+def collect(source, rows, step: int, args: Args, names, weights, rank: int = 0, world: int = 1):
     """Step 1: this step's rows (this process's share of them) -> groups of trajectories. With
     --dynamic_sample (DAPO), groups without reward spread are replaced by groups of fresh rows, for
     at most --max_resample_times more rollout rounds; if too few are found, the last groups without
     spread fill the batch up again, so that it keeps its size. Each process draws its fresh rows
     from its own share of the rows the step did not pick. Returns (trajectories, rounds used)."""
-    rng = random.Random(args.seed * 100_003 + step)  # a step's rows depend only on --seed and the step
-    chosen = rng.sample(range(len(rows)), args.rows_per_step)
-    picked, g = chosen[rank::world], args.num_generations
-    trajectories = rollouts.rollout([rows[i] for i in picked], g, args.temperature)
+    rng = random.Random(args.seed * 100_003 + step)  # a step's rows depend on --seed and step only
+    chosen, g = rng.sample(range(len(rows)), args.rows_per_step), args.num_generations
+    trajectories = source.rollout([rows[i] for i in chosen[rank::world]], g, args.temperature)
     if not args.dynamic_sample:
         return trajectories, 0
-    unused = [i for i in range(len(rows)) if i not in set(chosen)][rank::world]  # disjoint over processes
-    rng, groups = random.Random(rng.random() + rank), [trajectories[i:i + g] for i in range(0, len(trajectories), g)]
-    informative, flat = [], []
+    wanted = len(trajectories) // g
+    unused = [i for i in range(len(rows)) if i not in set(chosen)][rank::world]  # each rank's own
+    rng, informative, flat = random.Random(rng.random() + rank), [], []
     for rounds in range(args.max_resample_times + 1):
-        rewards = grpo.reward_columns(trajectories, names, args.use_gym_env) @ torch.tensor(weights)  # (N,)
-        spread = grpo.with_spread(rewards, g, grpo.valid(trajectories))  # (N,)
-        for k, group in enumerate(trajectories[i:i + g] for i in range(0, len(trajectories), g)):
-            (informative if spread[k * g:(k + 1) * g].any() else flat).append(group)
-        if len(informative) >= len(groups) or rounds == args.max_resample_times or not unused:
+        reward = grpo.rewards(trajectories, names, weights, args.use_gym_env)[1]  # (N,)
+        spread = grpo.with_spread(reward, g, grpo.valid_mask(trajectories))  # (N,)
+        for k in range(0, len(trajectories), g):
+            (informative if spread[k:k + g].any() else flat).append(trajectories[k:k + g])
+        if len(informative) >= wanted or rounds == args.max_resample_times or not unused:
             break
-        fresh = rng.sample(unused, min(len(groups) - len(informative), len(unused)))
+        fresh = rng.sample(unused, min(wanted - len(informative), len(unused)))
         unused = [i for i in unused if i not in fresh]
-        trajectories = rollouts.rollout([rows[i] for i in fresh], g, args.temperature)
-    return sum((informative + flat[::-1])[:len(groups)], []), rounds
+        trajectories = source.rollout([rows[i] for i in fresh], g, args.temperature)
+    return sum((informative + flat[::-1])[:wanted], []), rounds
 
-
-# ---------------------------------------------------------------- the loop
 
 def start_processes(args: Args):
     """(rank, world size). Under torchrun (WORLD_SIZE set), join its process group: gloo on CPU,
@@ -344,7 +362,8 @@ def start_processes(args: Args):
     if world == 1:
         return 0, 1
     if args.rows_per_step % world:
-        raise UserError(f'--rows_per_step {args.rows_per_step}: must split evenly over {world} processes')
+        raise UserError(f'--rows_per_step {args.rows_per_step}: must split evenly over {world} '
+                        'processes')
     device = pick_device(args.device)
     if device.type == 'cuda':  # NCCL all-reduces the tensors of this process's GPU
         torch.cuda.set_device(device)
@@ -361,60 +380,63 @@ def gather(item, world: int):
     return items
 
 
+def evaluation(log: RunLog, source, rows, env_cls, args: Args, step: int, tag: str):
+    """A held-out evaluation on rank 0 (the others wait); none without held-out rows."""
+    result = log.evaluation(step, tag, source, rows, env_cls, args.eval_temperature,
+                            chunk=args.rows_per_step * args.num_generations) if rows else None
+    if dist.is_initialized():
+        dist.barrier()
+    return result
+
+
 def main(args: Args):
-    rows, eval_rows, env_cls, names, weights = check_args(args)  # every input check, before anything heavy
+    rows, eval_rows, env_cls, names, weights = check_args(args)  # every input check, before a model
     rank, world = start_processes(args)
     quiet()
-    torch.manual_seed(args.seed + rank)  # the transformers engine's sampling; vLLM gets --seed itself
+    torch.manual_seed(args.seed + rank)  # the transformers engine's sampling; vLLM takes --seed
     os.makedirs(args.output_dir, exist_ok=True)
-    tokenizer, model, ref_model, optimizer, start_step = load_models(args, pick_device(args.device), rank)
-    rollouts = make_rollouts(args, model, tokenizer, rank)
-    log = RunLog(args.output_dir, tokenizer, names + ['gym'] * args.use_gym_env, args.gym_env, args.report_to,
-                 active=rank == 0)
-
-    def evaluation(step, tag):  # on rank 0 (the others wait); none without held-out rows (--eval_size 0)
-        result = log.evaluation(step, tag, rollouts, eval_rows, env_cls, args.eval_temperature,
-                                chunk=args.rows_per_step * args.num_generations) if eval_rows else None
-        if world > 1:
-            dist.barrier()
-        return result
-    before = evaluation(start_step, 'before')
+    device = pick_device(args.device)
+    tokenizer, model, ref_model, optimizer, start = load_models(args, device, rank)
+    source = make_rollouts(args, model, tokenizer, rank)
+    log = RunLog(args.output_dir, tokenizer, names + ['gym'] * args.use_gym_env, args.gym_env,
+                 args.report_to, active=rank == 0)
+    before = evaluation(log, source, eval_rows, env_cls, args, start, 'before')
     if args.eval_only:
         return before
-    if args.warm_start_steps and not args.resume:  # ---- 0. warm start on the env's expert, if asked ----
+    if args.warm_start_steps and not args.resume:  # ---- 0. a warm start on the env's expert ----
         warm_start(model, optimizer, rows, args, tokenizer, rank, world)
-        rollouts.load_weights(model)
-        if rank == 0 and not args.max_steps:  # a warm start alone is kept as checkpoint-0
-            save_checkpoint(model, tokenizer, optimizer, 0, args.output_dir, args.save_only_model)
-    for step in log.progress(range(start_step + 1, args.max_steps + 1), start_step, args.max_steps):
-        # ---- 1. rollout: this step's rows, a group of trajectories each ----
-        t0 = time.time()
-        trajectories, rounds = play(rollouts, rows, step, args, names, weights, rank, world)
-        # ---- 2. rewards and advantages ----
-        t1 = time.time()
-        scores = grpo.score(trajectories, names, weights, use_gym_env=args.use_gym_env, group_size=args.num_generations,
-                            beta=args.beta, estimator=args.advantage_estimator, scale=args.scale_rewards,
-                            overlong_filter=args.overlong_filter, step_advantage_w=args.step_advantage_w, gamma=args.gamma)
-        # ---- 3. update, on the trajectories that train ----
-        rollouts.sleep()
-        stats = train_step(model, ref_model, optimizer, trajectories, scores, args, tokenizer.pad_token_id)
-        rollouts.wake_up()
-        # ---- 4. sync: the engine samples from the new weights (when any process updated, every process did) ----
-        t2 = time.time()
+        source.load_weights(model)
+    for step in log.progress(range(start + 1, args.max_steps + 1), start, args.max_steps):
+        t0 = time.time()  # ---- 1. rollout: this step's rows, a group of trajectories each ----
+        trajectories, rounds = collect(source, rows, step, args, names, weights, rank, world)
+        t1 = time.time()  # ---- 2. rewards and advantages ----
+        scores = grpo.score(trajectories, names, weights, use_gym_env=args.use_gym_env,
+                            group_size=args.num_generations, beta=args.beta,
+                            estimator=args.advantage_estimator, scale=args.scale_rewards,
+                            overlong_filter=args.overlong_filter,
+                            step_advantage_w=args.step_advantage_w, gamma=args.gamma)
+        source.sleep()  # ---- 3. update, on the trajectories that train ----
+        stats = train_step(model, ref_model, optimizer, trajectories, scores, args,
+                           tokenizer.pad_token_id)
+        source.wake_up()
+        t2 = time.time()  # ---- 4. sync (when any process updated, every process did) ----
         if stats.pop('updated'):
-            rollouts.load_weights(model)
+            source.load_weights(model)
+        stats.update(resample_rounds=rounds, rollout_s=t1 - t0, train_s=t2 - t1,
+                     sync_s=time.time() - t2,
+                     overlong_filtered=int((scores.valid & ~scores.in_loss).sum()))
         # ---- 5. log, evaluate, checkpoint ----
-        overlong = sum(t.stop_reason in grpo.OVERLONG for t in trajectories) if args.overlong_filter else 0
-        stats.update(resample_rounds=rounds, overlong_filtered=overlong, rollout_s=t1 - t0, train_s=t2 - t1,
-                     sync_s=time.time() - t2)
         log.step(step, gather((trajectories, scores, stats), world), args.num_generations)
         if args.eval_steps and step % args.eval_steps == 0 and step != args.max_steps:
-            evaluation(step, 'during')
+            evaluation(log, source, eval_rows, env_cls, args, step, 'during')
         if rank == 0 and (step % args.save_steps == 0 or step == args.max_steps):
-            save_checkpoint(model, tokenizer, optimizer, step, args.output_dir, args.save_only_model)
+            save_checkpoint(model, tokenizer, optimizer, step, args.output_dir,
+                            args.save_only_model)
         if world > 1:
             dist.barrier()  # a resume finds the checkpoint whole on every process
-    after = evaluation(args.max_steps, 'after')
+    if rank == 0 and args.warm_start_steps and not args.max_steps:  # a warm start alone: ckpt 0
+        save_checkpoint(model, tokenizer, optimizer, 0, args.output_dir, args.save_only_model)
+    after = evaluation(log, source, eval_rows, env_cls, args, args.max_steps, 'after')
     log.finish(before, after, env_cls)
     return after
 

@@ -18,8 +18,8 @@ class Segment:
     """One token sequence of a trajectory, exactly as the model saw it."""
     token_ids: List[int] = field(default_factory=list)
     loss_mask: List[int] = field(default_factory=list)  # 1 exactly on the tokens the model sampled
-    logprobs: List[float] = field(default_factory=list)  # the engine's, of each sampled token; 0.0 elsewhere
-    turns: List[int] = field(default_factory=list)  # the turn each sampled token is in (0 elsewhere)
+    logprobs: List[float] = field(default_factory=list)  # the engine's, of sampled tokens; else 0.0
+    turns: List[int] = field(default_factory=list)  # the turn each sampled token is in (else 0)
     messages: Messages = field(default_factory=list)  # the conversation these tokens render
 
 
@@ -44,7 +44,8 @@ class TokenRecord:
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        probe = self.render([{'role': 'user', 'content': 'x'}, {'role': 'assistant', 'content': 'MARK'}])
+        probe = self.render([{'role': 'user', 'content': 'x'},
+                             {'role': 'assistant', 'content': 'MARK'}])
         self.turn_closer = self.encode(probe[probe.rindex('MARK') + 4:])  # ChatML: '<|im_end|>\n'
 
     def render(self, messages: Messages, add_generation_prompt=False) -> str:
@@ -77,13 +78,13 @@ class TokenRecord:
         segment.turns += [turn * m for m in mask]
 
     def close_turn(self, t: Trajectory, ids: List[int]):
-        """The template's closer after a reply, unless the reply already ends with its first token."""
+        """The template's closer after a reply, unless the reply ends with its first token."""
         self.add(t, self.turn_closer[1:] if ids[-1:] == self.turn_closer[:1] else self.turn_closer)
 
     def follow(self, t: Trajectory, before: Messages, room: int) -> bool:
         """After a step hook, the record follows the conversation it left (t.request.messages):
         - appended to: the new messages' ids (mask 0) go at the end of the segment;
-        - rewritten: the segment ends as it was (`before`), a new one starts on the new conversation.
+        - rewritten: the segment ends as it was (`before`), a new one starts on the new one.
         False when the result would hold more than `room` ids (then nothing is added, and the
         conversation is cut back to what the model has seen)."""
         messages, segment = t.request.messages, t.segments[-1]
@@ -105,10 +106,12 @@ class TokenRecord:
         """The ids `messages` add after the segment's, when they only add to it (they begin with its
         conversation and its closed reply); None when they rewrote it."""
         n = len(segment.messages)
-        if messages[:n] != segment.messages or len(messages) <= n or messages[n]['role'] != 'assistant':
+        if (messages[:n] != segment.messages or len(messages) <= n
+                or messages[n]['role'] != 'assistant'):
             return None
-        closed, after = self.render(messages[:n + 1]), self.render(messages, add_generation_prompt=True)
-        if not (closed.startswith(self.render(segment.messages, True)) and after.startswith(closed)):
+        closed, after = self.render(messages[:n + 1]), self.render(messages, True)
+        seen = self.render(segment.messages, True)
+        if not (closed.startswith(seen) and after.startswith(closed)):
             return None
         return self.encode(after[len(closed):])
 
@@ -120,7 +123,8 @@ class TokenRecord:
         after, n = t.request.messages, len(before)
         if after[:n] == before:
             new = after[n:]
-        elif after[:n - 1] == before[:-1] and after[n - 1:n] and after[n - 1]['role'] == 'assistant':
+        elif (after[:n - 1] == before[:-1] and after[n - 1:n]
+              and after[n - 1]['role'] == 'assistant'):
             t.messages[-1], new = deepcopy(after[n - 1]), after[n:]
         else:
             new = after[-1:]
