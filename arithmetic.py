@@ -20,11 +20,12 @@ import re
 from env import Env, envs
 from tools import tools
 
-SYSTEM_PROMPT = ('You solve arithmetic problems exactly. Give the final result as <answer>NUMBER</answer> '
-                 'and nothing else.')
+SYSTEM_PROMPT = ('You solve arithmetic problems exactly. Give the final result as '
+                 '<answer>NUMBER</answer> and nothing else.')
 ANSWER = re.compile(r'<answer>\s*(-?\d+)\s*</answer>')
 EVAL_SEED_BASE = 100_000  # held-out problems: far from data.jsonl's seeds 0..127
-OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.USub: operator.neg}
+OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+             ast.USub: operator.neg}
 
 
 def calculator(expression: str) -> str:
@@ -40,7 +41,8 @@ def calculator(expression: str) -> str:
             return OPERATORS[type(node.op)](value(node.left), value(node.right))
         if isinstance(node, ast.UnaryOp) and type(node.op) in OPERATORS:
             return OPERATORS[type(node.op)](value(node.operand))
-        raise ValueError(f'not allowed: {ast.unparse(node)!r} (integers, +, -, * and parentheses only)')
+        raise ValueError(f'not allowed: {ast.unparse(node)!r} (integers, +, -, * and parentheses '
+                         'only)')
     return str(value(ast.parse(expression, mode='eval').body))
 
 
@@ -56,7 +58,8 @@ class ArithmeticEnv(Env):
 
     @classmethod
     def eval_rows(cls, n, env_config):
-        return [{'messages': [], 'env_config': {**env_config, 'seed': EVAL_SEED_BASE + i}} for i in range(n)]
+        return [{'messages': [], 'env_config': {**env_config, 'seed': EVAL_SEED_BASE + i}}
+                for i in range(n)]
 
     @classmethod
     def is_success(cls, rollout_infos):
@@ -67,8 +70,10 @@ class ArithmeticEnv(Env):
         """The problem, each tool call and its answer, and the model's answer."""
         info, steps = rollout_infos['reset_info'], rollout_infos.get('step_infos', [])
         lines = [f"{info['expression']} = {info['value']}"]
-        lines += [f"calculator: {c['answer']}" if c['ok'] else 'a failed call' for c in rollout_infos.get('tool_calls', [])]
-        lines.append(f"answer: {steps[-1].get('answer')}" if steps and 'answer' in steps[-1] else 'no answer')
+        lines += [f"calculator: {c['answer']}" if c['ok'] else 'a failed call'
+                  for c in rollout_infos.get('tool_calls', [])]
+        answered = steps and 'answer' in steps[-1]
+        lines.append(f"answer: {steps[-1]['answer']}" if answered else 'no answer')
         ax.text(0.05, 0.5, '\n'.join(lines), va='center', family='monospace', fontsize=8)
         ax.set(xticks=[], yticks=[], title=rollout_infos.get('stop_reason'))
         won = cls.is_success(rollout_infos)
@@ -83,10 +88,12 @@ class ArithmeticEnv(Env):
     async def step(self, action):
         found = ANSWER.search(action[-1]['content'])
         if not found:
-            return f'Give the result as <answer>NUMBER</answer>. {self.question}', 0.0, False, {'status': 'invalid'}
+            again = f'Give the result as <answer>NUMBER</answer>. {self.question}'
+            return again, 0.0, False, {'status': 'invalid'}
         right = int(found.group(1)) == self.value
         status = 'right' if right else 'wrong'
-        return f'That is {status}.', float(right), True, {'status': status, 'answer': int(found.group(1))}
+        info = {'status': status, 'answer': int(found.group(1))}
+        return f'That is {status}.', float(right), True, info
 
     def expert_reply(self, messages=None):
         if 'calculator' in self.tools and (messages or [{}])[-1].get('role') != 'tool':

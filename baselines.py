@@ -19,8 +19,8 @@ import json
 import random
 import re
 
-from frozen_lake import (EVAL_SEED_BASE, MOVES, expert_move, find, generate_random_map, goal_hint, moved,
-                         shortest_path)
+from frozen_lake import (EVAL_SEED_BASE, MOVES, expert_move, find, generate_random_map, goal_hint,
+                         moved, shortest_path)
 
 
 def toward(grid, cell, goal):
@@ -87,8 +87,10 @@ if __name__ == '__main__':
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--max_turns', type=int, default=10, help='most moves a game')
     parser.add_argument('--seed', type=int, default=0, help="the random policies' seed")
-    parser.add_argument('--forks', type=int, default=0, help='write a dataset of this many fork maps')
-    parser.add_argument('--observation', default='around', help="with --forks: the rows' observation")
+    parser.add_argument('--forks', type=int, default=0,
+                        help='write a dataset of this many fork maps instead')
+    parser.add_argument('--observation', default='around',
+                        help="with --forks: the rows' observation (default: around)")
     args = parser.parse_args()
     if args.forks:
         print('\n'.join(json.dumps(row) for row in fork_rows(args.forks, args.observation)))
@@ -97,4 +99,5 @@ if __name__ == '__main__':
     for name, policy in POLICIES.items():
         rng = random.Random(args.seed)
         won = [wins(grid, policy, rng, args.max_turns) for grid in maps]
-        print(f'{name:27} {sum(won[:256]) / 256:6.1%} of the 256 held-out maps, {sum(won) / len(won):6.1%} of 10,000')
+        print(f'{name:27} {sum(won[:256]) / 256:6.1%} of the 256 held-out maps, '
+              f'{sum(won) / len(won):6.1%} of 10,000')

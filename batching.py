@@ -19,10 +19,10 @@ from torch.utils.checkpoint import checkpoint
 class MicroBatch:
     """The segments of one forward/backward and what the loss needs of them: every (b, T) tensor
     holds one segment a row, right-padded; the model's own input may be packed (`pack`)."""
-    input_ids: torch.Tensor  # (R, P) what the model reads: the b segments, or them packed into R = 1 row
+    input_ids: torch.Tensor  # (R, P) what the model reads: the b segments, or them packed (R = 1)
     attention_mask: torch.Tensor  # (R, P), or (1, 1, P, P) when packed
     position_ids: Optional[torch.Tensor]  # (R, P) when packed; None: 0, 1, 2, ... in each row
-    predictor: torch.Tensor  # (b, T) the input position (flattened R x P) whose output predicts each token
+    predictor: torch.Tensor  # (b, T) the input position (R x P flat) whose output predicts a token
     targets: torch.Tensor  # (b, T) each segment's token ids
     loss_mask: torch.Tensor  # (b, T) 1 on sampled tokens
     engine_logprobs: torch.Tensor  # (b, T) the engine's logprobs of the sampled tokens
@@ -31,8 +31,8 @@ class MicroBatch:
 
     def to(self, device) -> 'MicroBatch':
         """The same batch with every tensor on `device` (the model's)."""
-        return MicroBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
-                             for f in fields(self)})
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return MicroBatch(**{k: None if v is None else v.to(device) for k, v in values.items()})
 
 
 MAX_PACKED = 2048  # tokens of a packed row: its attention is a P x P matrix per head and layer
@@ -63,11 +63,13 @@ def pack(segments):
             cols += path[:p + 1]
         tokens += x[shared:]
         positions += range(shared, len(x))
-        predictor.append([0] + [path[t - 1] for t in range(1, len(x))] + [0] * (width - len(x)))  # token t from t-1
+        # token t is predicted from token t - 1
+        predictor.append([0] + [path[t - 1] for t in range(1, len(x))] + [0] * (width - len(x)))
         before = x
     mask = torch.full((len(tokens), len(tokens)), torch.finfo(torch.float32).min)
     mask[rows, cols] = 0.0  # (P, P): 0 where attention is allowed
-    return torch.tensor([tokens]), mask[None, None], torch.tensor([positions]), torch.tensor(predictor)
+    return (torch.tensor([tokens]), mask[None, None], torch.tensor([positions]),
+            torch.tensor(predictor))
 
 
 def micro_batches(trajectories, advantages: torch.Tensor, *, size: int, pad_id: int,
@@ -77,18 +79,21 @@ def micro_batches(trajectories, advantages: torch.Tensor, *, size: int, pad_id: 
     by token ids, so that a group's members (which share their prompt) are neighbours, and pack
     each micro-batch (`pack`); otherwise shortest first, for less padding."""
     rows = [(i, s) for i, t in enumerate(trajectories) for s in t.segments]
-    rows.sort(key=(lambda row: row[1].token_ids) if share_prompt else (lambda row: len(row[1].token_ids)))
+    rows.sort(key=lambda row: row[1].token_ids if share_prompt else len(row[1].token_ids))
     per_turn = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)  # (N, T)
-    return [one_batch(chunk, [trajectories[i].num_sampled for i, _ in chunk], per_turn[[i for i, _ in chunk]],
-                      pad_id, share_prompt) for chunk in chunks(rows, size, share_prompt)]
+    return [one_batch(chunk, [trajectories[i].num_sampled for i, _ in chunk],
+                      per_turn[[i for i, _ in chunk]], pad_id, share_prompt)
+            for chunk in chunks(rows, size, share_prompt)]
 
 
 def chunks(rows, size: int, share_prompt: bool):
     """The (trajectory, segment) rows in micro-batches of at most `size` segments and, packed, of at
-    most MAX_PACKED new tokens (what a segment adds after the prefix it shares with the one before)."""
+    most MAX_PACKED new tokens (what a segment adds after the prefix it shares with the one
+    before)."""
     out, packed = [], 0
     for k, (i, s) in enumerate(rows):
-        new = len(s.token_ids) - (shared_prefix(rows[k - 1][1].token_ids, s.token_ids) if k and share_prompt else 0)
+        shared = shared_prefix(rows[k - 1][1].token_ids, s.token_ids) if k and share_prompt else 0
+        new = len(s.token_ids) - shared
         if not out or len(out[-1]) == size or (share_prompt and packed + new > MAX_PACKED):
             out.append([])
             new, packed = len(s.token_ids), 0
@@ -103,7 +108,8 @@ def padded(segments, name: str, fill, width: int) -> torch.Tensor:
 
 
 def one_batch(chunk, num_sampled, per_turn, pad_id: int, share_prompt: bool) -> MicroBatch:
-    """A MicroBatch of (trajectory, segment) rows; per_turn: (b, T) each row's trajectory's advantages."""
+    """A MicroBatch of (trajectory, segment) rows; per_turn: (b, T) their trajectories'
+    advantages per turn."""
     segments = [s for _, s in chunk]
     width = max(len(s.token_ids) for s in segments)
     targets = padded(segments, 'token_ids', pad_id, width)  # (b, T)
@@ -111,12 +117,15 @@ def one_batch(chunk, num_sampled, per_turn, pad_id: int, share_prompt: bool) -> 
         input_ids, attention_mask, position_ids, predictor = pack(segments)
     else:
         input_ids, position_ids = targets, None
-        attention_mask = torch.tensor([[1] * len(s.token_ids) + [0] * (width - len(s.token_ids)) for s in segments])
-        predictor = torch.arange(targets.numel()).view(targets.shape) - 1  # (b, T): the position before
-    turns = (padded(segments, 'turns', 0, width) - 1).clamp(0, per_turn.shape[1] - 1)  # (b, T) turn index
+        attention_mask = torch.tensor([[1] * len(s.token_ids) + [0] * (width - len(s.token_ids))
+                                       for s in segments])
+        predictor = torch.arange(targets.numel()).view(targets.shape) - 1  # (b, T): the one before
+    turns = (padded(segments, 'turns', 0, width) - 1).clamp(0, per_turn.shape[1] - 1)  # (b, T)
     return MicroBatch(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                      predictor=predictor, targets=targets, loss_mask=padded(segments, 'loss_mask', 0, width),
-                      engine_logprobs=padded(segments, 'logprobs', 0.0, width), advantages=per_turn.gather(1, turns),
+                      predictor=predictor, targets=targets,
+                      loss_mask=padded(segments, 'loss_mask', 0, width),
+                      engine_logprobs=padded(segments, 'logprobs', 0.0, width),
+                      advantages=per_turn.gather(1, turns),
                       trajectory_tokens=torch.tensor([[float(n)] for n in num_sampled]))
 
 
@@ -131,18 +140,21 @@ def token_logprobs(model, batch: MicroBatch, temperature: float = 1.0, chunk: in
     """
     # BEGIN SOLUTION exercise 4: token logprobs
     hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                                 position_ids=batch.position_ids, use_cache=False).last_hidden_state  # (R, P, H)
+                                 position_ids=batch.position_ids,
+                                 use_cache=False).last_hidden_state  # (R, P, H)
     picked = batch.loss_mask.bool()  # (b, T)
-    h, targets = hidden.flatten(0, 1)[batch.predictor[picked]], batch.targets[picked]  # (M, H), (M,)
+    h = hidden.flatten(0, 1)[batch.predictor[picked]]  # (M, H): what predicts each sampled token
+    targets = batch.targets[picked]  # (M,)
     head = model.get_output_embeddings()
 
     def chunk_logprobs(h, targets):
         logp = (head(h).float() / temperature).log_softmax(-1)  # (c, V)
-        return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)  # (c,), (c,)
+        entropy = -(logp.exp() * logp).sum(-1)  # (c,)
+        return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy  # (c,), (c,)
 
     pieces = [checkpoint(chunk_logprobs, h[i:i + chunk], targets[i:i + chunk], use_reentrant=False)
               for i in range(0, len(targets), chunk)]
-    logprobs = torch.zeros(batch.targets.shape, dtype=torch.float32, device=batch.targets.device)  # (b, T)
+    logprobs = torch.zeros(batch.targets.shape, device=batch.targets.device)  # (b, T), float32
     entropies = torch.zeros_like(logprobs)
     if pieces:
         logprobs[picked] = torch.cat([p[0] for p in pieces])

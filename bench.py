@@ -1,13 +1,13 @@
 """Benchmarks (not tests). Each part compares things in one run, so its ratios hold on any
 machine (docs/speed-and-scaling.md has the commands and the numbers):
 
-    .venv/bin/python bench.py rollout   # sampled tokens/s: the vLLM and transformers engines, the same rows
-    .venv/bin/python bench.py update    # the update on the same trajectories: shared prompt or not, recomputed
-                                        # activations (gradient checkpointing) or not; and a plain fp32 matmul
-    .venv/bin/python bench.py eval      # one held-out evaluation (256 maps, greedy), and what vLLM did in it
-    .venv/bin/python bench.py sync      # a weight push into vLLM: full, and LoRA merged
-    python bench.py gpu                 # on a CUDA machine, vLLM or not: 3 steps of train.py --engine hf on
-                                        # the GPU, full and LoRA: loss, logprob gap, step times (a few minutes)
+    .venv/bin/python bench.py rollout  # sampled tokens/s of vLLM and transformers, the same games
+    .venv/bin/python bench.py update   # the update on the same trajectories: shared prompt or not,
+                                       # recomputed activations or not, against a plain fp32 matmul
+    .venv/bin/python bench.py eval     # a held-out evaluation (256 maps, greedy), vLLM's counters
+    .venv/bin/python bench.py sync     # a weight push into vLLM: full, and LoRA merged
+    python bench.py gpu                # on a CUDA machine, vLLM or not: 3 steps of train.py
+                                       # --engine hf on the GPU, full and LoRA: loss, gap, times
 
 --model picks the policy (default: the embedded model, which plays the short games of a run's
 first steps; a checkpoint of a trained run plays the longer games of its last ones).
@@ -18,46 +18,53 @@ import statistics
 import time
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-parser.add_argument('part', choices=['rollout', 'update', 'eval', 'sync', 'gpu'], help='what to time')
-parser.add_argument('--model', help='model folder or checkpoint; default: the embedded SmolLM2-135M-Instruct')
+parser.add_argument('part', choices=['rollout', 'update', 'eval', 'sync', 'gpu'],
+                    help='what to time')
+parser.add_argument('--model', help='model folder or checkpoint; default: the embedded model')
 parser.add_argument('--repeats', type=int, default=3, help='timed repeats of each variant')
-parser.add_argument('--rows', type=int, default=4, help='FrozenLake maps (seeds 0..rows-1) for rollout and update')
+parser.add_argument('--rows', type=int, default=4, help='FrozenLake maps (seeds 0..rows-1) to play')
 parser.add_argument('--num_generations', type=int, default=8, help='trajectories per map')
-parser.add_argument('--micro_batch_size', type=int, default=8, help="update: segments per forward/backward")
-parser.add_argument('--block_size', type=int, default=32, help="eval: vLLM's KV cache block (vLLM-CPU's own default: 128)")
-parser.add_argument('--chunks', default='256,32,128', help='eval: games played at a time, each size in turn')
-parser.add_argument('--kv_cache_gib', type=float, default=0.5, help="eval: vLLM's KV cache (train.py's --vllm_kv_cache_gib)")
+parser.add_argument('--micro_batch_size', type=int, default=8, help='update: segments per pass')
+parser.add_argument('--block_size', type=int, default=32,
+                    help="eval: vLLM's KV cache block (vLLM-CPU's own default: 128)")
+parser.add_argument('--chunks', default='256,32,128', help='eval: games played at a time, in turn')
+parser.add_argument('--kv_cache_gib', type=float, default=0.5,
+                    help="eval: vLLM's KV cache (train.py's --vllm_kv_cache_gib)")
 cli = parser.parse_args()
 
-if cli.part == 'gpu':  # before anything loads: train.py does the work, in a process of its own per run
+if cli.part == 'gpu':  # before anything loads: train.py does the work, a process of its own a run
     import json
     import subprocess
     import sys
     import tempfile
     for tuner in ('full', 'lora'):
         out = tempfile.mkdtemp(prefix=f'gpu-{tuner}-')
-        command = [sys.executable, 'train.py', '--env', 'frozen_lake', '--engine', 'hf', '--device', 'cuda',
-                   '--max_steps', '3', '--eval_size', '0', '--tuner_type', tuner, '--output_dir', out]
+        command = [sys.executable, 'train.py', '--env', 'frozen_lake', '--engine', 'hf',
+                   '--device', 'cuda', '--max_steps', '3', '--eval_size', '0',
+                   '--tuner_type', tuner, '--output_dir', out]
+        command += ['--model', cli.model] if cli.model else []
         t0 = time.time()
-        run = subprocess.run(command + (['--model', cli.model] if cli.model else []), capture_output=True, text=True)
+        run = subprocess.run(command, capture_output=True, text=True)
         if run.returncode:
             sys.exit(f'{tuner}: train.py failed: {(run.stderr or run.stdout)[-2000:]}')
         for m in (json.loads(line) for line in open(os.path.join(out, 'metrics.jsonl'))):
-            print(f"{tuner} step {m['step']}: loss {m['loss']:.4f} logprob_gap {m['logprob_gap']:.2e} entropy "
-                  f"{m['entropy']:.3f} | rollout {m['rollout_s']:.1f}s train {m['train_s']:.1f}s sync {m['sync_s']:.2f}s")
+            print(f"{tuner} step {m['step']}: loss {m['loss']:.4f} "
+                  f"logprob_gap {m['logprob_gap']:.2e} "
+                  f"entropy {m['entropy']:.3f} | rollout {m['rollout_s']:.1f}s "
+                  f"train {m['train_s']:.1f}s sync {m['sync_s']:.2f}s")
         print(f'{tuner}: {time.time() - t0:.0f}s in all, start-up included ({out})', flush=True)
     sys.exit(0)
 
-os.environ.setdefault('TORCH_CPP_LOG_LEVEL', 'ERROR')  # read once, when torch loads: quiets vLLM-CPU's NUMA notice
+os.environ.setdefault('TORCH_CPP_LOG_LEVEL', 'ERROR')  # read as torch loads: quiets a NUMA line
 import torch  # noqa: E402  (after parsing, so that --help is instant)
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-import frozen_lake  # noqa: E402  (registers envs['frozen_lake'])
 import batching  # noqa: E402
+import frozen_lake  # noqa: E402  (registers envs['frozen_lake'])
 import grpo  # noqa: E402
 import train  # noqa: E402
 from config import Args  # noqa: E402
-from engines import Colocated, HFEngine, VLLMEngine, embedded_model, policy_weights, quiet  # noqa: E402
+from engines import Colocated, HFEngine, VLLMEngine, embedded_model, policy_weights, quiet  # noqa
 from logs import evaluate  # noqa: E402
 from scheduler import GYMScheduler, requests_for, rollout  # noqa: E402
 
@@ -80,56 +87,73 @@ def timed(fn, repeats=cli.repeats):
 
 
 def scheduler_on(engine, max_turns=args.max_turns):
-    return GYMScheduler(engine, max_turns, tokenizer=tokenizer, temperature=args.temperature, gym_env='frozen_lake',
-                        max_completion_length=args.max_completion_length)
+    return GYMScheduler(engine, max_turns, tokenizer=tokenizer, temperature=args.temperature,
+                        gym_env='frozen_lake', max_completion_length=args.max_completion_length)
+
+
+def games():
+    return requests_for(rows, cli.num_generations)
 
 
 if cli.part == 'rollout':
     speed = {}
     for name, engine in (('vllm', VLLMEngine(path)), ('hf', HFEngine(model, tokenizer))):
         scheduler = scheduler_on(engine)
-        seconds, trajectories = timed(lambda: rollout(scheduler, requests_for(rows, cli.num_generations)))
-        tokens = sum(sum(s.loss_mask) for t in trajectories for s in t.segments)
+        seconds, trajectories = timed(lambda: rollout(scheduler, games()))
+        tokens = sum(t.num_sampled for t in trajectories)
         speed[name] = tokens / seconds
-        print(f'{name}: {tokens} sampled tokens in {seconds:.1f}s (median of {cli.repeats}): {speed[name]:.1f} tokens/s')
+        print(f'{name}: {tokens} sampled tokens in {seconds:.1f}s (median of {cli.repeats}): '
+              f'{speed[name]:.1f} tokens/s')
     print(f"vllm / hf: {speed['vllm'] / speed['hf']:.1f}x")
 
 if cli.part == 'update':
     engine = VLLMEngine(path)
-    trajectories = rollout(scheduler_on(engine), requests_for(rows, cli.num_generations))
+    trajectories = rollout(scheduler_on(engine), games())
     del engine
     every = torch.ones(len(trajectories), dtype=torch.bool)
-    scores = grpo.Scores(None, None, None, torch.randn(len(trajectories), 1), every, every, list(range(len(trajectories))))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: a step's work, the weights kept
-    body = sum(p.numel() for name, p in model.named_parameters() if 'embed' not in name)  # non-embedding parameters
+    scores = grpo.Scores(None, None, None, torch.randn(len(trajectories), 1), every, every,
+                         list(range(len(trajectories))))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: a step's work, weights kept
+    body = sum(p.numel() for name, p in model.named_parameters() if 'embed' not in name)
     matmuls, a = [], torch.randn(2048, 2048)
     for _ in range(10):
         t0 = time.time()
         a @ a
         matmuls.append(2 * 2048 ** 3 / (time.time() - t0) / 1e9)
     results = {}
-    for checkpointing in (True, False):
-        model.gradient_checkpointing_enable() if checkpointing else model.gradient_checkpointing_disable()
+    for recompute in (True, False):
+        if recompute:
+            model.gradient_checkpointing_enable()
+        else:
+            model.gradient_checkpointing_disable()
         for share in (False, True):
-            batches = batching.micro_batches(trajectories, scores.turn_advantages, size=cli.micro_batch_size, pad_id=0,
-                                         share_prompt=share)
-            computed = sum(b.input_ids.numel() for b in batches)  # what the model reads, padding included
-            step_args = Args(share_prompt=share, gradient_checkpointing=checkpointing, micro_batch_size=cli.micro_batch_size)
-            seconds, _ = timed(lambda: train.train_step(model, None, optimizer, trajectories, scores, step_args, 0))
-            results[checkpointing, share] = seconds
-            flops = (8 if checkpointing else 6) * body * computed  # forward 2, backward 4, recomputation 2 more
-            print(f"gradient checkpointing {'on ' if checkpointing else 'off'}, shared prompt {'on ' if share else 'off'}: "
-                  f'{computed} tokens computed, {seconds:.1f}s (median of {cli.repeats}), {flops / seconds / 1e9:.0f} '
-                  f'GFLOP/s', flush=True)
+            batches = batching.micro_batches(trajectories, scores.turn_advantages, pad_id=0,
+                                             size=cli.micro_batch_size, share_prompt=share)
+            computed = sum(b.input_ids.numel() for b in batches)  # what the model reads, padding
+            step = Args(share_prompt=share, gradient_checkpointing=recompute,
+                        micro_batch_size=cli.micro_batch_size)
+            seconds, _ = timed(lambda: train.train_step(model, None, optimizer, trajectories,
+                                                        scores, step, 0))
+            results[recompute, share] = seconds
+            flops = (8 if recompute else 6) * body * computed  # forward 2, backward 4, recompute 2
+            print(f"gradient checkpointing {'on ' if recompute else 'off'}, shared prompt "
+                  f"{'on ' if share else 'off'}: {computed} tokens computed, {seconds:.1f}s "
+                  f"(median "
+                  f'of {cli.repeats}), {flops / seconds / 1e9:.0f} GFLOP/s', flush=True)
     tokens = sum(len(s.token_ids) for t in trajectories for s in t.segments)
-    print(f'{len(trajectories)} trajectories, {tokens} tokens; shared prompt: {results[True, False] / results[True, True]:.2f}x '
-          f'with recomputation, {results[False, False] / results[False, True]:.2f}x without; no recomputation: '
-          f'{results[True, True] / results[False, True]:.2f}x (shared); both: {results[True, False] / results[False, True]:.2f}x. '
-          f'GFLOP/s count 8 (with recomputation) or 6 x {body / 1e6:.0f}M non-embedding parameters x tokens computed; a 2048x2048 fp32 matmul '
-          f'reached {statistics.median(matmuls):.0f} GFLOP/s (median of 10)')
+    r = results
+    print(f'{len(trajectories)} trajectories, {tokens} tokens; shared prompt: '
+          f'{r[True, False] / r[True, True]:.2f}x with recomputation, '
+          f'{r[False, False] / r[False, True]:.2f}x without; no recomputation: '
+          f'{r[True, True] / r[False, True]:.2f}x (shared); both: '
+          f'{r[True, False] / r[False, True]:.2f}x. '
+          f'GFLOP/s count 8 (recomputing) or 6 x {body / 1e6:.0f}M non-embedding parameters x '
+          f'tokens computed; a 2048x2048 fp32 matmul: {statistics.median(matmuls):.0f} GFLOP/s '
+          '(median of 10)')
 
 if cli.part == 'eval':
-    engine = VLLMEngine(path, kv_cache_gib=cli.kv_cache_gib, block_size=cli.block_size, disable_log_stats=False)
+    engine = VLLMEngine(path, kv_cache_gib=cli.kv_cache_gib, block_size=cli.block_size,
+                        disable_log_stats=False)
     held_out = frozen_lake.FrozenLakeEnv.eval_rows(args.eval_size, {})
     lake = Colocated(engine, scheduler_on(engine))
 
@@ -138,12 +162,15 @@ if cli.part == 'eval':
         return {m.name[5:]: m.value for m in engine.llm.get_metrics() if m.name[5:] in names}
     for size in map(int, cli.chunks.split(',')):
         before = counts()
-        seconds, result = timed(lambda: evaluate(lake, held_out, frozen_lake.FrozenLakeEnv, 0.0, size), 1)
+        seconds, result = timed(lambda: evaluate(lake, held_out, frozen_lake.FrozenLakeEnv, 0.0,
+                                                 size), 1)
         done = {k: int(v - before[k]) for k, v in counts().items()}
-        print(f"{len(held_out)} games, {size} at a time, KV blocks of {cli.block_size}: {seconds:.1f}s; success "
-              f"{result['success']:.1%} [{result['success_low']:.1%}, {result['success_high']:.1%}], {result['turns']:.2f} "
-              f"turns a game; prompt tokens {done['prompt_tokens']:,} ({done['prefix_cache_hits']:,} from the prefix cache), "
-              f"generated {done['generation_tokens']:,}, preemptions {done['num_preemptions']}", flush=True)
+        print(f"{len(held_out)} games, {size} at a time, KV blocks of {cli.block_size}: "
+              f"{seconds:.1f}s; success {result['success']:.1%} [{result['success_low']:.1%}, "
+              f"{result['success_high']:.1%}], {result['turns']:.2f} turns a game; prompt tokens "
+              f"{done['prompt_tokens']:,} ({done['prefix_cache_hits']:,} from the prefix cache), "
+              f"generated {done['generation_tokens']:,}, preemptions {done['num_preemptions']}",
+              flush=True)
 
 if cli.part == 'sync':
     engine = VLLMEngine(path)

