@@ -193,7 +193,7 @@ LIMITS = {  # flag: (lowest allowed, what it means)
     'max_resample_times': (0, 'not negative'),
     'rollout_importance_sampling_threshold': (1, 'at least 1'), 'lora_rank': (1, 'at least 1'),
     'lora_alpha': (1, 'at least 1'), 'vllm_max_model_len': (2, 'at least 2'),
-    'tool_timeout': (0, 'not negative'),
+
 }
 
 CHOICES = {
@@ -238,7 +238,7 @@ def check_args(args: Args):
     """Every input check that can run before a model loads; fills in --scale_rewards. Returns
     (train rows, eval rows, env class, reward column names, reward weights)."""
     check_game(args)
-    for name in ('temperature', 'learning_rate', 'warm_start_learning_rate'):
+    for name in ('temperature', 'learning_rate', 'warm_start_learning_rate', 'tool_timeout'):
         value = getattr(args, name)
         if value is not None and not value > 0:
             raise UserError(f'--{name} {value}: must be above 0')
@@ -267,6 +267,9 @@ def check_args(args: Args):
                         'expert (Env.expert_reply)')
     names, weights = reward_setup(args, env_cls)
     rows = load_dataset(args.dataset, args.gym_env)
+    check_tools(env_cls.tools, f'env {args.gym_env}')
+    for number, row in enumerate(rows, 1):
+        check_tools(row.get('tools', []), f'{args.dataset}, row {number}')
     # the env's own held-out rows, if the env plays (a GYMScheduler)
     own_rows = issubclass(multi_turns[args.multi_turn_scheduler], GYMScheduler)
     rows, eval_rows = held_out(rows, env_cls if own_rows else None, args.eval_size,
@@ -275,6 +278,14 @@ def check_args(args: Args):
         raise UserError(f'--rows_per_step {args.rows_per_step}: there are {len(rows)} training '
                         f'rows in {args.dataset}')
     return rows, eval_rows, env_cls, names, weights
+
+
+def check_tools(names, where: str):
+    """Refuse, in one line, tools that are not a list of registered names."""
+    from tools import tools
+    if not isinstance(names, list) or not all(isinstance(n, str) and n in tools for n in names):
+        raise UserError(f'{where}: tools must be a list of registered tool names; registered: '
+                        f'{", ".join(sorted(tools)) or "none"} (got {str(names)[:80]})')
 
 
 def reward_setup(args: Args, env_cls):
@@ -305,8 +316,9 @@ def held_out(rows, env_cls, eval_size: int, ratio: float, dataset: str):
     if not eval_size:
         return rows, []
     own = env_cls.eval_rows(eval_size, rows[0]['env_config']) if env_cls else None
-    if own is not None:
-        return rows, own
+    if own is not None:  # with the training rows' settings, their `tools` column included
+        tools = {'tools': rows[0]['tools']} if 'tools' in rows[0] else {}
+        return rows, [{**row, **tools} for row in own]
     n = min(eval_size, math.ceil(len(rows) * ratio))
     if n >= len(rows):
         raise UserError(f'--split_dataset_ratio {ratio}: would hold out all {len(rows)} rows of '

@@ -35,8 +35,9 @@ def valid_share(trajectories) -> Optional[float]:
 
 
 def tool_use(trajectories) -> dict:
-    """TRL's tools/call_frequency (tool calls per trajectory) and tools/failure_frequency (the
-    share of calls answered with an error), when some trajectory could call a tool."""
+    """tools/call_frequency (tool calls per trajectory) and tools/failure_frequency (the share of
+    calls answered with an error), as TRL names them, when some trajectory could call a tool. A
+    call is a reply with a <tool_call> tag, a malformed one included (TRL counts parsed ones)."""
     if not any(t.rollout_infos.get('tools') for t in trajectories):
         return {}
     calls = [c for t in trajectories for c in t.rollout_infos.get('tool_calls', [])]

@@ -90,7 +90,7 @@ class MultiTurnScheduler:
         return trajectories
 
     async def _play_turn(self, t: Trajectory, completion, turn: int):
-        """One turn of one trajectory, once the engine has replied (module docstring, 2-4)."""
+        """One turn of one trajectory, once the engine has replied (the module docstring)."""
         self._take_reply(t, completion, turn)
         reason = await self._finished(t, completion, turn)
         if reason:
@@ -103,7 +103,7 @@ class MultiTurnScheduler:
         ret = await self._hook('step', t.request, completion, turn)
         t.request = ret['infer_request']
         t.rollout_infos.update(ret.get('rollout_infos') or {})
-        self.record.log(t, before)
+        self.record.extend_conversation(t, before)
         ids, mask, logprobs = self._response(ret, completion, sampled)
         self.record.add(t, ids, mask, logprobs, turn)
         if t.request.messages[-1]['role'] != 'assistant':
@@ -232,11 +232,12 @@ class GYMScheduler(MultiTurnScheduler):
             self._envs[req.uuid] = env = envs[env_name(req.data_dict, self.gym_env)](env_config)
             env.tools = list(req.data_dict.get('tools', env.tools))  # what this trajectory may call
             observation, info, system_message = await env.reset(req)
+            system_message = tools.describe(system_message, env.tools)
         except Exception as e:
             return f'reset: {type(e).__name__}: {e}'
         self._infos[req.uuid].update(reset_info=info, states=[self._state(env, observation)],
                                      tools=env.tools)
-        req.messages = [{'role': 'system', 'content': tools.describe(system_message, env.tools)},
+        req.messages = [{'role': 'system', 'content': system_message},
                         {'role': 'user', 'content': observation}]
 
     async def on_turn_end(self, req, response_choice, turn):
@@ -315,10 +316,16 @@ class ExpertScheduler(GYMScheduler):
 
     def _complete(self, live):
         closer = self.record.turn_closer[:1]
-        replies = [self.record.encode(self._envs[t.request.uuid].expert_reply(t.request.messages))
+        replies = [self.record.encode(expert(self._envs[t.request.uuid], t.request.messages))
                    + closer for t in live]
         return [SimpleNamespace(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason='stop')
                 for ids in replies]
+
+
+def expert(env, messages):
+    """The env's expert reply; an expert_reply() of the older signature gets no conversation."""
+    takes = len(inspect.signature(env.expert_reply).parameters)
+    return env.expert_reply(messages) if takes else env.expert_reply()
 
 
 # --multi_turn_scheduler names; a plugin adds its own: multi_turns['my_scheduler'] = MyScheduler

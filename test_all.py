@@ -798,6 +798,7 @@ reward_funcs['digits_only'] = digits_only
     (['--max_turns', '0'], '--max_turns 0: at least one reply'),
     (['--eval_size', '-1'], '--eval_size -1: not negative'),
     (['--temperature', '-1'], '--temperature -1.0: must be above 0'),
+    (['--tool_timeout', '0'], '--tool_timeout 0.0: must be above 0'),
     (['--vllm_mode', 'remote'], '--vllm_mode remote: choose from colocate, server'),
     (['--loss_type', 'ppo'], '--loss_type ppo: choose from bnpo, grpo, dr_grpo, dapo'),
     (['--advantage_estimator', 'gae'], '--advantage_estimator gae: choose from grpo, rloo'),
@@ -1395,6 +1396,48 @@ def test_server_answers_health_while_a_rollout_runs(scripted_server):
     busy.join()
 
 
+def test_a_dataset_names_registered_tools_and_its_held_out_rows_keep_them(tmp_path):
+    (tmp_path / 'rows.jsonl').write_text(json.dumps({'messages': [], 'env_config': {'seed': 1}, 'tools': []}) + '\n')
+    _, held_out, *_ = config.check_args(config.parse_args(['--env', 'arithmetic', '--rows_per_step', '1', '--dataset', str(tmp_path / 'rows.jsonl')]))
+    assert all(row['tools'] == [] for row in held_out)  # withheld in training, withheld in evaluation
+    (tmp_path / 'rows.jsonl').write_text(json.dumps({'messages': [], 'env_config': {}, 'tools': ['abacus']}) + '\n')
+    with pytest.raises(UserError, match='rows.jsonl, row 1: tools must be a list of registered tool names; registered: '
+                                        'calculator'):
+        config.check_args(config.parse_args(['--env', 'arithmetic', '--rows_per_step', '1', '--dataset', str(tmp_path / 'rows.jsonl')]))
+
+
+async def async_tool(word: str) -> str:
+    """Says the word back.
+
+    Args:
+        word: any word
+    """
+    await asyncio.sleep(0)
+    return word
+
+
+def test_an_async_tool_is_awaited():
+    tools.tools['echo'] = async_tool
+    assert asyncio.run(tools.answer('{"name": "echo", "arguments": {"word": "hi"}}', ['echo'], 1.0)) == ('hi', True)
+
+
+def test_the_server_plays_a_tool_env(tokenizer):
+    def expert(text):  # call the calculator on the question, then answer with what it said
+        if '<|im_start|>tool' in text:
+            return f"<answer>{text.split('<|im_start|>tool')[-1].split('<|im_end|>')[0].strip()}</answer>"
+        question = text.split('What is ')[-1].split('?')[0]
+        return f'<tool_call>{json.dumps({"name": "calculator", "arguments": {"expression": question}})}</tool_call>'
+    engine = ScriptedEngine(tokenizer, expert)
+    body = {'rows': [{'env_config': {'name': 'arithmetic', 'seed': 4}}], 'num_generations': 2, 'temperature': 1.0,
+            'max_completion_length': 64}
+    with serving(GYMScheduler(engine, 3, tokenizer=tokenizer, max_completion_length=64), engine, 3) as port:
+        code, answer = call(port, '/rollout', json.dumps(body).encode())
+    assert code == 200, answer
+    for t in answer['trajectories']:
+        assert [m['role'] for m in t['messages']] == ['system', 'user', 'assistant', 'tool', 'assistant']
+        assert t['rollout_infos']['total_reward'] == 1.0 and t['rollout_infos']['tool_calls'][0]['ok']
+
+
 def test_a_plugin_scheduler_serves_through_server_py(tokenizer, tmp_path):
     import server
     (tmp_path / 'tool.py').write_text(TOOL_PLUGIN)
@@ -1699,6 +1742,17 @@ def test_train_end_to_end_colocated_vllm_with_every_variant(tmp_path, tiny_model
     assert all(m['resample_rounds'] in (0, 1) for m in steps)
     for noise in ('FutureWarning', 'Triton', 'NUMA', 'Loading weights', 'Loading safetensors'):
         assert noise not in out, noise
+
+
+@slow
+def test_the_tool_task_trains_end_to_end(tmp_path, tiny_model_dir):
+    out = run_train(tmp_path, tiny_model_dir, '--env', 'arithmetic', '--warm_start_steps', '1', '--max_turns', '3',
+                    '--max_completion_length', '48', '--eval_size', '4')
+    assert "warm start 1/1: the expert's replies" in out and 'held-out success: before' in out
+    steps = step_records(tmp_path / 'out')
+    assert len(steps) == 2 and all('tools/call_frequency' in m and m['logprob_gap'] < 1e-3 for m in steps)
+    evaluations = [json.loads(line) for line in open(tmp_path / 'out' / 'metrics.jsonl') if 'eval/' in line]
+    assert all('eval/tools/failure_frequency' in e for e in evaluations)
 
 
 @slow

@@ -5,17 +5,18 @@ answer to a call.
    convention), registered by name: `tools['calculator'] = calculator`. Its JSON schema is made
    by transformers' `get_json_schema` from those hints and that docstring.
 2. An env names the tools its trajectories may call (`Env.tools`; a dataset row's `tools` column,
-   as in ms-swift, overrides it). GYMScheduler adds their schemas to the system message
-   (`describe`) with the format of a call, Hermes', as in the Qwen2.5/Qwen3 chat templates,
-   ms-swift's `hermes` agent template and verl:
+   a list of registered names, overrides it; ms-swift's column holds the schemas themselves).
+   GYMScheduler adds their schemas to the system message (`describe`) with the format of a call,
+   Hermes', as in the Qwen2.5/Qwen3 chat templates, ms-swift's `hermes` agent template and verl:
    <tool_call>{"name": ..., "arguments": {...}}</tool_call>
 3. A reply with a call (`find_call`) gets the tool's answer as a {"role": "tool"} message instead
    of the env's step (`answer`); its tokens have loss mask 0, so no tool output is trained on.
    Every bad call gets an error message as its answer and counts as a failure: malformed JSON,
    an unknown tool (the answer lists the ones it may call), wrong arguments, a tool that raises,
    and one that takes longer than --tool_timeout seconds. None of them ends the trajectory.
-Left out: several calls in one reply (the first is answered), async tools. A tool that hangs is
-left running in a daemon thread: Python cannot stop a thread.
+Left out: several calls in one reply (the first is answered). A plain tool that hangs is left
+running in a daemon thread (Python cannot stop a thread); one that holds the GIL in C code holds
+up everything.
 """
 import asyncio
 import inspect
@@ -58,20 +59,24 @@ async def answer(call: str, names: List[str], timeout: float) -> Tuple[str, bool
     this trajectory may call."""
     try:
         request = json.loads(call)
-    except json.JSONDecodeError as e:
-        return (f'error: the call is not JSON ({e.msg}); write <tool_call>{{"name": ..., '
+    except (ValueError, RecursionError) as e:  # (JSONDecodeError is a ValueError)
+        why = getattr(e, 'msg', e)
+        return (f'error: the call is not JSON ({why}); write <tool_call>{{"name": ..., '
                 '"arguments": {...}}</tool_call>', False)
     if not isinstance(request, dict) or not isinstance(request.get('arguments', {}), dict):
         return 'error: a call is {"name": ..., "arguments": {...}}', False
     name, arguments = request.get('name'), request.get('arguments', {})
     if name not in names or name not in tools:
         return f'error: unknown tool {name!r}; the tools are: {", ".join(names)}', False
+    function = tools[name]
     try:
-        inspect.signature(tools[name]).bind(**arguments)
-    except TypeError as e:
+        inspect.signature(function).bind(**arguments)
+    except (TypeError, ValueError) as e:
         return f'error: wrong arguments for {name}: {e}', False
-    try:
-        return str(await asyncio.wait_for(in_thread(tools[name], arguments), timeout)), True
+    try:  # an async tool runs on the event loop, a plain one in a thread of its own
+        asynchronous = inspect.iscoroutinefunction(function)
+        running = function(**arguments) if asynchronous else in_thread(function, arguments)
+        return str(await asyncio.wait_for(running, timeout)), True
     except asyncio.TimeoutError:
         return f'error: {name} did not answer within {timeout:g} seconds', False
     except Exception as e:

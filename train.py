@@ -205,9 +205,11 @@ def step_batches(model, trajectories, scores: grpo.Scores, args: Args, pad_id: i
     trained), on the model's device."""
     rest = [i for i, t in enumerate(trajectories)
             if scores.valid[i] and t.num_sampled and i not in scores.trained]
+    # packing hands the model a 4D attention mask, which sdpa and eager attention take
+    packed = args.share_prompt and model.config._attn_implementation in ('sdpa', 'eager')
     return ([b.to(model.device) for b in batching.micro_batches(
                 [trajectories[i] for i in rows], advantages, size=args.micro_batch_size,
-                pad_id=pad_id, share_prompt=args.share_prompt)]
+                pad_id=pad_id, share_prompt=packed)]
             for rows, advantages in ((scores.trained, scores.turn_advantages[scores.trained]),
                                      (rest, torch.zeros(len(rest)))))
 

@@ -116,7 +116,7 @@ class TokenRecord:
         return self.encode(after[len(closed):])
 
     @staticmethod
-    def log(t: Trajectory, before: Messages):
+    def extend_conversation(t: Trajectory, before: Messages):
         """The whole conversation (t.messages) follows too: it gains the messages a step hook
         appended (after the reply, or after a continued reply, which replaces the last one), or,
         when the hook rewrote history, its newest message."""
