@@ -2055,7 +2055,8 @@ def test_the_warm_start_is_supervised_learning(tiny_model_dir):
     from scheduler import ExpertScheduler
     model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
     rows = [{'messages': [], 'env_config': {'seed': s}} for s in range(4)]
-    args = config.Args(warm_start_steps=1, rows_per_step=2, num_generations=2, max_grad_norm=1e9, temperature=0.7)
+    args = config.Args(warm_start_steps=1, rows_per_step=2, num_generations=2, max_grad_norm=1e9, temperature=0.7,
+                       learning_rate=0.0)  # SGD at lr 0: the gradients are checked, the weights stay
     source = SimpleNamespace(load_weights=lambda model: None)  # no engine to sync
     stats = train.warm_start(model, torch.optim.SGD(model.parameters(), lr=0.0), source, rows, args, tokenizer)
     grads = {k: p.grad.clone() for k, p in model.named_parameters()}
