@@ -18,7 +18,7 @@ import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from env import Env, UserError, envs, load_dataset, load_plugins, reward_funcs
+from env import Env, UserError, env_name, envs, load_dataset, load_plugins, reward_funcs
 from scheduler import GYMScheduler, MultiTurnScheduler, multi_turns
 
 
@@ -223,8 +223,12 @@ def check_game(args):
     """The checks train.py and server.py share: ranges of the flags given, the model folder, the
     plugins, the scheduler and the env."""
     for name, (low, meaning) in LIMITS.items():
-        if hasattr(args, name) and getattr(args, name) < low:
+        if getattr(args, name) < low:
             raise UserError(f'--{name} {getattr(args, name)}: {meaning}')
+    for name in ('temperature', 'learning_rate', 'warm_start_learning_rate', 'tool_timeout'):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise UserError(f'--{name} {value}: must be above 0')
     if args.model and not os.path.isdir(args.model) and args.model.startswith(('/', '.', '~')):
         raise UserError(f'--model {args.model}: no such folder')
     load_plugins(args.external_plugins)
@@ -238,10 +242,6 @@ def check_args(args: Args):
     """Every input check that can run before a model loads; fills in --scale_rewards. Returns
     (train rows, eval rows, env class, reward column names, reward weights)."""
     check_game(args)
-    for name in ('temperature', 'learning_rate', 'warm_start_learning_rate', 'tool_timeout'):
-        value = getattr(args, name)
-        if value is not None and not value > 0:
-            raise UserError(f'--{name} {value}: must be above 0')
     for name in args.report_to:
         if name not in ('tensorboard', 'wandb'):
             raise UserError(f'--report_to {name}: choose from tensorboard, wandb')
@@ -267,7 +267,8 @@ def check_args(args: Args):
                         'expert (Env.expert_reply)')
     names, weights = reward_setup(args, env_cls)
     rows = load_dataset(args.dataset, args.gym_env)
-    check_tools(env_cls.tools, f'env {args.gym_env}')
+    for name in {env_name(row, args.gym_env) for row in rows} | {args.gym_env}:
+        check_tools(envs[name].tools, f'env {name}')
     for number, row in enumerate(rows, 1):
         check_tools(row.get('tools', []), f'{args.dataset}, row {number}')
     # the env's own held-out rows, if the env plays (a GYMScheduler)
@@ -282,10 +283,16 @@ def check_args(args: Args):
 
 def check_tools(names, where: str):
     """Refuse, in one line, tools that are not a list of registered names."""
-    from tools import tools
+    from tools import schema, tools
     if not isinstance(names, list) or not all(isinstance(n, str) and n in tools for n in names):
         raise UserError(f'{where}: tools must be a list of registered tool names; registered: '
                         f'{", ".join(sorted(tools)) or "none"} (got {str(names)[:80]})')
+    for name in names:
+        try:
+            schema(name)
+        except Exception as e:
+            raise UserError(f'tool {name}: no JSON schema can be made of it ({type(e).__name__}: '
+                            f'{str(e).splitlines()[0]})') from None
 
 
 def reward_setup(args: Args, env_cls):

@@ -52,7 +52,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, valid: torch.Tensor
       members, which is the grpo centre times n / (n - 1);
     - scale: 'group' divides by (the group's std + eps), 'batch' by (the std of every valid
       reward of the batch + eps), 'none' by nothing (no eps either). The scale is the same for
-      both estimators; the RLOO paper uses 'none' (ms-swift's default for rloo, and ours)."""
+      both estimators; the RLOO paper uses 'none' (ms-swift's default for rloo, and train.py's).
+    A group whose rewards all agree comes out near 0 here; `score` then makes it exactly 0."""
     # BEGIN SOLUTION exercise 2: group-relative advantages
     member = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid
     r, m = rewards.view(-1, group_size), member.view(-1, group_size).float()  # (groups, G)
@@ -125,13 +126,18 @@ class Scores:
 
 def score(trajectories, names, weights, *, use_gym_env: bool, group_size: int, beta: float,
           estimator: str = 'grpo', scale: str = 'group', overlong_filter: bool = False,
-          step_advantage_w: float = 1.0, gamma: float = 0.95) -> Scores:
+          step_advantage_w: float = 1.0, gamma: float = 0.95, batch_std: float = None) -> Scores:
+    """batch_std: with scale 'batch' under several processes, the std of every process's valid
+    rewards (train.score gathers them, as ms-swift does), which replaces this process's own."""
     columns, reward = rewards(trajectories, names, weights, use_gym_env)  # (N, K), (N,)
     ok = valid_mask(trajectories)
     centre = 'rloo' if estimator == 'rloo' else 'grpo'
+    advantages = group_advantages(reward, group_size, ok, centre,
+                                  'none' if batch_std is not None else scale)
+    if batch_std is not None:
+        advantages = advantages / (batch_std + 1e-4)
     # A group whose rewards all agree gets exactly 0: the float mean of equal rewards need not
     # equal them, and that rounding, divided by a std near 0, would be trained on as a signal.
-    advantages = group_advantages(reward, group_size, ok, centre, scale)
     advantages = advantages * with_spread(reward, group_size, ok)
     per_turn = advantages.unsqueeze(1).expand(-1, max([t.num_turns for t in trajectories] + [1]))
     if estimator == 'gigpo':  # (N, T)
@@ -166,7 +172,9 @@ def token_loss(logprobs, old_logprobs, advantages, loss_mask, *, epsilon=0.2, ep
       the ratios of that row's *sampled* tokens;
     - surrogate_t = -min(ratio_t A, clip(ratio_t, 1 - epsilon, 1 + epsilon_high) A), times the
       rollout importance weight w_t when given (it corrects the surrogate's sampling, not the KL);
+      epsilon_high None means epsilon;
     - kl_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1 (k3), loss_t = surrogate_t + beta kl_t;
+      with beta 0, kl_t = 0 and ref_logprobs may be None;
     - clipped_t: the clip acted, i.e. min() took the clipped term: ratio < 1 - epsilon with A < 0,
       or ratio > 1 + epsilon_high with A > 0 (TRL's clip_ratio/region).
     Values where loss_mask is 0 are computed but mean nothing; `aggregate` drops them."""

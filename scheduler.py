@@ -90,27 +90,24 @@ class MultiTurnScheduler:
         return trajectories
 
     async def _play_turn(self, t: Trajectory, completion, turn: int):
-        """One turn of one trajectory, once the engine has replied (the module docstring)."""
+        """One turn of one trajectory, once the engine has replied: the reply joins the
+        conversation; on_turn_end (or check_finished) says whether the game is over; if not, step
+        makes the next request, and the token record and the whole conversation follow it."""
         self._take_reply(t, completion, turn)
-        reason = await self._finished(t, completion, turn)
+        reason, sampled = await self._finished(t, completion, turn), list(completion.token_ids)
         if reason:
             t.stop_reason = reason
-            sampled = completion.token_ids
             self.record.add(t, sampled, [1] * len(sampled), completion.logprobs, turn)
             self.record.close_turn(t, sampled)
             return
-        before, sampled = deepcopy(t.request.messages), list(completion.token_ids)  # step may edit
+        before = deepcopy(t.request.messages)  # the hook may edit them
         ret = await self._hook('step', t.request, completion, turn)
         t.request = ret['infer_request']
         t.rollout_infos.update(ret.get('rollout_infos') or {})
-        self.record.extend_conversation(t, before)
         ids, mask, logprobs = self._response(ret, completion, sampled)
         self.record.add(t, ids, mask, logprobs, turn)
-        if t.request.messages[-1]['role'] != 'assistant':
-            self.record.close_turn(t, ids)
-            fits = self.record.follow(t, before, self._room())
-        else:  # the next reply continues these ids
-            fits = len(t.segments[-1].token_ids) <= self._room()
+        fits = self.record.follow(t, before, ids, self._room(), bool(ret.get('response_token_ids')))
+        self.record.extend_conversation(t, before)
         t.stop_reason = None if fits else 'context_limit'
 
     def _room(self) -> int:
@@ -233,30 +230,37 @@ class GYMScheduler(MultiTurnScheduler):
             env.tools = list(req.data_dict.get('tools', env.tools))  # what this trajectory may call
             observation, info, system_message = await env.reset(req)
             system_message = tools.describe(system_message, env.tools)
+            state = self._state(env, observation)
         except Exception as e:
             return f'reset: {type(e).__name__}: {e}'
-        self._infos[req.uuid].update(reset_info=info, states=[self._state(env, observation)],
-                                     tools=env.tools)
+        if env.tools and not self.record.renders_tools():
+            raise UserError("the model's chat template cannot render a {'role': 'tool'} message; "
+                            'a tool-using env needs one that can')
+        self._infos[req.uuid].update(reset_info=info, states=[state], tools=env.tools)
         req.messages = [{'role': 'system', 'content': system_message},
                         {'role': 'user', 'content': observation}]
 
     async def on_turn_end(self, req, response_choice, turn):
         env, infos = self._envs[req.uuid], self._infos[req.uuid]
         call = tools.find_call(response_choice.message.content) if env.tools else None
-        if call is not None:  # a tool turn: the tool answers, the env waits
-            answer, ok = await tools.answer(call, env.tools, self.tool_timeout)
-            infos['tool_calls'].append({'turn': turn, 'call': call, 'answer': answer, 'ok': ok})
-            observation, reward, done, info = answer, 0.0, False, {'status': 'tool_call'}
-        else:
-            try:
+        if call is not None and turn >= self.max_turns:
+            return {}  # no turn left to read the answer: the call is not made (check_finished)
+        try:
+            if call is not None:  # a tool turn: the tool answers, the env waits
+                answer, ok = await tools.answer(call, env.tools, self.tool_timeout)
+                infos['tool_calls'].append({'turn': turn, 'call': call, 'answer': answer, 'ok': ok})
+                observation, reward, done, info = answer, 0.0, False, {'status': 'tool_call'}
+            else:
                 observation, reward, done, info = await env.step(deepcopy(req.messages))
-            except Exception as e:
-                infos.update(total_reward=0.0, error=f'step {turn}: {type(e).__name__}: {e}')
-                return {'done': True, 'stop_reason': 'error', 'rollout_infos': infos}
+            state = self._state(env, observation)  # after a tool call: the env's, and the answer
+            state = state if call is None else [state, observation]
+        except Exception as e:
+            infos.update(total_reward=0.0, error=f'step {turn}: {type(e).__name__}: {e}')
+            return {'done': True, 'stop_reason': 'error', 'rollout_infos': infos}
         infos['total_reward'] += float(reward)
         infos['step_rewards'].append(float(reward))
         infos['step_infos'].append(info)
-        infos['states'].append(self._state(env, observation))
+        infos['states'].append(state)
         role = 'tool' if call is not None else 'user'
         self._next[req.uuid] = {'role': role, 'content': observation}
         # Not done: check_finished decides (a reply cut by length ends it, as the last turn does).

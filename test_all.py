@@ -460,6 +460,58 @@ def test_every_bad_tool_call_is_answered_and_counted_and_the_game_goes_on(tokeni
     assert not any(a in sampled for a in answers) and sampled.count('<tool_call>') == 6
 
 
+def huge_tool(n: int) -> str:
+    """Says a lot.
+
+    Args:
+        n: how many words
+    """
+    return 'word ' * n
+
+
+def test_tool_calls_near_the_limits(tokenizer):
+    tools.tools['huge_tool'] = huge_tool
+    rows = [{'messages': [], 'env_config': {'seed': 0, 'name': 'arithmetic'}, 'tools': ['calculator', 'huge_tool']}]
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 1"}}</tool_call>'
+    # a call in the last turn is not made: no turn is left to read its answer
+    (t,) = rollout(GYMScheduler(ScriptedEngine(tokenizer, lambda text: call), 2, tokenizer=tokenizer,
+                                max_completion_length=64), requests_for(rows, 1))
+    assert t.stop_reason == 'max_turns' and len(t.rollout_infos['tool_calls']) == 1
+    assert [m['role'] for m in t.messages] == ['system', 'user', 'assistant', 'tool', 'assistant']
+    # an answer too long for the context ends the game, and the conversation is what the model saw
+    call = '<tool_call>{"name": "huge_tool", "arguments": {"n": 5000}}</tool_call>'
+    (t,) = rollout(GYMScheduler(ScriptedEngine(tokenizer, lambda text: call), 4, tokenizer=tokenizer,
+                                max_completion_length=64, max_model_len=1024), requests_for(rows, 1))
+    assert t.stop_reason == 'context_limit' and t.messages == t.request.messages
+    assert [m['role'] for m in t.messages] == ['system', 'user', 'assistant']
+
+
+def test_a_chat_template_without_a_tool_role_is_refused(tokenizer):
+    for tool_turn in ("{{ raise_exception('unknown role') }}", ''):  # one template raises, the other drops it
+        quiet = copy.deepcopy(tokenizer)
+        quiet.chat_template = ("{% for m in messages %}{% if m['role'] == 'tool' %}" + tool_turn + "{% else %}"
+                               "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+                               "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+        scheduler = GYMScheduler(ScriptedEngine(quiet, lambda text: '<answer>1</answer>'), 2, tokenizer=quiet,
+                                 gym_env='arithmetic')
+        with pytest.raises(UserError, match=r"^the model's chat template cannot render a \{'role': 'tool'\} message"):
+            rollout(scheduler, requests([0]))
+
+
+def test_a_tool_is_checked_before_a_model_loads(tmp_path):
+    def nodoc(x: int) -> str:
+        return str(x)
+
+    tools.tools['nodoc'] = nodoc
+    dataset = tmp_path / 'rows.jsonl'
+    dataset.write_text(json.dumps({'messages': [], 'env_config': {'seed': 0}, 'tools': ['nodoc']}) + '\n')
+    with pytest.raises(UserError, match=r'^tool nodoc: no JSON schema can be made of it \(DocstringParsingException'):
+        config.check_args(config.parse_args(['--env', 'arithmetic', '--dataset', str(dataset)]))
+    import server
+    with pytest.raises(UserError, match=r'^--tool_timeout 0.0: must be above 0$'):
+        server.parse_args(['--tool_timeout', '0'])
+
+
 def test_hooks_may_be_plain_or_async_and_append_to_the_conversation(tokenizer):
     class Shorter(GYMScheduler):  # an async step on top of the plain one: keep only the grid and the goal line
         async def step(self, req, response_choice, turn):
@@ -590,10 +642,42 @@ def test_the_whole_conversation_keeps_a_prefilled_reply(tokenizer):
             req.messages.append({'role': 'assistant', 'content': '<action>'})
             return ret
 
-    (t,) = rollout(Prefill(ScriptedEngine(tokenizer, lambda text: 'up</action>'), 3, tokenizer=tokenizer,
-                           gym_env='frozen_lake'), requests([1]))
+    prompts = []
+    (t,) = rollout(Prefill(ScriptedEngine(tokenizer, lambda text: prompts.append(text) or 'up</action>'), 3,
+                           tokenizer=tokenizer, gym_env='frozen_lake'), requests([1]))
     assert t.messages == t.request.messages and len(t.messages) == 2 + 2 * t.num_turns - 1
     assert [m['content'] for m in t.messages if m['role'] == 'assistant'][1:] == ['<action>up</action>'] * (t.num_turns - 1)
+    # the engine saw the new observation and the prefill, and the record is the conversation's
+    assert len(prompts) == t.num_turns and all(p.endswith('Your move?<|im_end|>\n<|im_start|>assistant\n<action>') for p in prompts[1:])
+    (segment,) = t.segments
+    assert tokenizer.decode(segment.token_ids) == tokenizer.apply_chat_template(t.messages, tokenize=False)
+
+
+def test_a_hook_that_changes_the_reply_must_give_its_ids(tokenizer):
+    class Edit(GYMScheduler):  # continues the reply with text of its own, but not as response_token_ids
+        def step(self, req, response_choice, turn):
+            req.messages[-1]['content'] += ' (noted)'
+            return {'infer_request': req}
+
+    with pytest.raises(UserError, match='^a step hook changed the reply it continues without giving the ids'):
+        rollout(Edit(ScriptedEngine(tokenizer, lambda text: 'up'), 3, tokenizer=tokenizer, gym_env='frozen_lake'), requests([1]))
+
+
+def test_an_env_whose_state_key_raises_ends_only_its_own_trajectory(tokenizer):
+    class NoState(CountingEnv):
+        def state_key(self):
+            if self.env_config['seed'] == 1 and (self.row, self.col) != frozen_lake.find(self.grid, 'S'):
+                raise KeyError('no state')  # seed 1: after its first move
+            if self.env_config['seed'] == 2:
+                raise KeyError('no state at all')  # seed 2: already in reset
+            return super().state_key()
+
+    CountingEnv.closed.clear()
+    envs['no_state'] = NoState
+    trajectories = rollout(gym(tokenizer, bfs_policy), requests([0, 1, 2, 3], name='no_state'))
+    assert [t.stop_reason for t in trajectories] == ['done', 'error', 'error', 'done']
+    assert 'no state' in trajectories[1].rollout_infos['error'] and 'reset' in trajectories[2].rollout_infos['error']
+    assert len(CountingEnv.closed) == 4
 
 
 def test_bad_schedulers_are_refused_in_one_line(tokenizer):
@@ -835,7 +919,7 @@ def test_worked_step_prints_each_formula():
     if 'NotImplementedError: exercise' in run.stderr:  # a student copy
         pytest.skip(f"worked_step.py runs the solutions of exercises 1-3 and 6: {run.stderr.splitlines()[-1]}")
     assert run.returncode == 0, run.stderr
-    for part in ('1. Reward', '2. Advantage', 'gigpo adds', '3-4. First pass', '5. The weight', 'A second pass'):
+    for part in ('1. Reward', '2. Advantage', 'gigpo adds', '3. First pass', '5. The weight', 'A second pass'):
         assert part in run.stdout, part
     assert f'{1 / 68:.4f}' in run.stdout  # bnpo: each of the 68 sampled tokens weighs 1/68
 
@@ -910,12 +994,14 @@ def test_ex7_env_conformance(plugin, name, tokenizer, tmp_path):
         assert isinstance(observation, str) and isinstance(system, str) and isinstance(info, dict)
         json.dumps(info)  # it goes to completions.jsonl
 
+    for tool in envs[name].tools:
+        assert tool in tools.tools, f'{name}.tools names {tool!r}, which is not in tools.tools'
     if envs[name].expert_reply is not Env.expert_reply:  # its expert plays through the scheduler, tools included
-        for tool in envs[name].tools:
-            assert tool in tools.tools, f'{name}.tools names {tool!r}, which is not in tools.tools'
         games = rollout(ExpertScheduler(None, 10, tokenizer=tokenizer, gym_env=name, max_completion_length=256),
                         requests_for(rows, 1))
         assert all(g.stop_reason == 'done' for g in games), ('the expert did not finish', games[0].rollout_infos)
+        worked = [c for g in games for c in g.rollout_infos['tool_calls'] if c['ok']]
+        assert worked or not envs[name].tools, f'{name} has tools, but its expert made no call that worked'
         for g in games:
             sampled = tokenizer.decode([i for s in g.segments for i, m in zip(s.token_ids, s.loss_mask) if m])
             replies = ''.join(m['content'] + tokenizer.eos_token for m in g.messages if m['role'] == 'assistant')
@@ -1260,6 +1346,24 @@ def test_dynamic_sampling_processes_draw_different_fresh_rows():
         first = random.Random(args.seed * 100_003 + step).sample(range(8), 2)  # the step's own rows
         fresh = [set(source.rows) - set(first) for source in sources]
         assert not fresh[0] & fresh[1], (step, fresh)
+
+
+def test_ex6_dynamic_sampling_keeps_groups_with_gigpo_signal():
+    import train
+
+    class Walks(RowRollouts):  # every walk wins, in 2 moves or in 1: no episode spread, a step-level one
+        def rollout(self, rows, group_size, temperature):
+            group = gigpo_walks()[::2]
+            for t, row in zip(group, rows * 2):
+                t.rollout_infos['step_rewards'][-1] = t.rollout_infos['total_reward'] = 1.0
+                t.request = RolloutInferRequest([], {'env_config': row['env_config']})
+            return group
+
+    rows = [{'messages': [], 'env_config': {'seed': s}} for s in range(8)]
+    assert grpo.step_advantages(Walks().rollout(rows[:1], 2, 1.0), 2, 0.95, 'group').any()  # the step-level signal
+    args = config.Args(rows_per_step=1, num_generations=2, dynamic_sample=True, max_resample_times=3,
+                       advantage_estimator='gigpo', scale_rewards='group')
+    assert train.collect(Walks(), rows, 1, args, [], [1.0])[1] == 0  # informative as it is: no refill
 
 
 def gigpo_walks():
@@ -1953,6 +2057,18 @@ def test_train_lora_end_to_end_resume_evaluate_and_merge(tmp_path, tiny_model_di
     assert torch.allclose(merged, adapted, atol=1e-5)
 
 
+@slow
+def test_fresh_lora_adapters_are_the_same_on_every_process(tiny_model_dir):
+    import train
+    args = config.Args(tuner_type='lora', lora_rank=4)
+    adapters = []
+    for rank in (0, 1):
+        torch.manual_seed(args.seed + rank)  # as train.main seeds each process
+        model = train.load_policy(tiny_model_dir, args, torch.device('cpu'))
+        adapters.append({k: v for k, v in model.state_dict().items() if 'lora_A' in k})
+    assert adapters[0] and all(torch.equal(v, adapters[1][k]) for k, v in adapters[0].items())
+
+
 COMPARED = ('model.layers.', 'model.norm.')  # and the embedding rows the fixed batch uses
 
 
@@ -1987,8 +2103,13 @@ def fixed_steps(model_dir, out):
             moved = {k: v.clone() for k, v in model.state_dict().items() if k.startswith(COMPARED)}
             moved['embed'] = model.state_dict()['model.embed_tokens.weight'][:1000].clone()
             results[loss_type, starved] = moved, stats['loss']
+    block = list(range(rank * 8 // world, (rank + 1) * 8 // world))  # whole groups of 2 on each process
+    for t, reward in zip(trajectories, [1, 0, 0, 0, 1, 1, 1, 0]):
+        t.rollout_infos['total_reward'] = float(reward)
+    scores = train.score([trajectories[i] for i in block], [], [1.0], config.Args(scale_rewards='batch', num_generations=2))
+    advantages = train.gather(scores.advantages, world)  # --scale_rewards batch: the whole batch's std
     if rank == 0:
-        torch.save(results, out)
+        torch.save({**results, 'batch': torch.cat(advantages)}, out)
 
 
 @slow
@@ -1999,6 +2120,7 @@ def test_processes_take_one_process_step_for_every_loss_type(tmp_path, tiny_mode
                              timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]
     one, two = torch.load(tmp_path / 'one.pt'), torch.load(tmp_path / 'two.pt')
+    assert torch.allclose(one.pop('batch'), two.pop('batch'), atol=1e-6), 'each process scaled by its own std'
     from safetensors.torch import load_file
     start = load_file(f'{tiny_model_dir}/model.safetensors')
     for case, (weights, logged) in one.items():
@@ -2057,7 +2179,7 @@ def test_the_warm_start_is_supervised_learning(tiny_model_dir):
     rows = [{'messages': [], 'env_config': {'seed': s}} for s in range(4)]
     args = config.Args(warm_start_steps=1, rows_per_step=2, num_generations=2, max_grad_norm=1e9, temperature=0.7,
                        learning_rate=0.0)  # SGD at lr 0: the gradients are checked, the weights stay
-    source = SimpleNamespace(load_weights=lambda model: None)  # no engine to sync
+    source = SimpleNamespace(load_weights=lambda model: None, sleep=lambda: None, wake_up=lambda: None)  # no engine
     stats = train.warm_start(model, torch.optim.SGD(model.parameters(), lr=0.0), source, rows, args, tokenizer)
     grads = {k: p.grad.clone() for k, p in model.named_parameters()}
     # the same games, and the plain cross-entropy of their replies (temperature 1, a mean over reply tokens)

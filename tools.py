@@ -16,7 +16,9 @@ answer to a call.
    and one that takes longer than --tool_timeout seconds. None of them ends the trajectory.
 Left out: several calls in one reply (the first is answered). A plain tool that hangs is left
 running in a daemon thread (Python cannot stop a thread); one that holds the GIL in C code holds
-up everything.
+up everything. An async tool runs on the rollout's event loop: it must await, never block (a
+blocking call there holds up every trajectory, and --tool_timeout cannot interrupt it), and a
+thread it starts itself (asyncio.to_thread) is waited for when the rollout ends.
 """
 import asyncio
 import inspect

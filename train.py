@@ -55,6 +55,7 @@ def load_policy(path: str, args: Args, device: torch.device):
         model = PeftModel.from_pretrained(model, path, is_trainable=True)
     elif args.tuner_type == 'lora':
         from peft import LoraConfig, get_peft_model
+        torch.manual_seed(args.seed)  # peft draws lora_A at random: the same on every process
         target = 'all-linear' if args.target_modules == ['all-linear'] else args.target_modules
         model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
                                                  target_modules=target, task_type='CAUSAL_LM'))
@@ -321,6 +322,7 @@ def warm_start(model, optimizer, source, rows, args: Args, tokenizer, rank=0, wo
     rng = random.Random(args.seed)
     for group in optimizer.param_groups:  # its own learning rate, if --warm_start_learning_rate
         group['lr'] = args.warm_start_learning_rate or args.learning_rate
+    source.sleep()  # (the expert needs no engine)
     for step in range(1, args.warm_start_steps + 1):
         games_a_step = min(len(rows), args.rows_per_step * args.num_generations)
         picked = rng.sample(rows, games_a_step)[rank::world]
@@ -335,6 +337,7 @@ def warm_start(model, optimizer, source, rows, args: Args, tokenizer, rank=0, wo
                   f"{stats['logprob_gap']:.3f}")
     for group in optimizer.param_groups:
         group['lr'] = args.learning_rate
+    source.wake_up()
     source.load_weights(model)  # the engine samples from the warm-started model
     if rank == 0 and not args.max_steps:  # a warm start alone is kept as checkpoint-0
         save_checkpoint(model, tokenizer, optimizer, 0, args.output_dir, args.save_only_model)
@@ -348,7 +351,8 @@ def collect(source, rows, step: int, args: Args, names, weights, rank: int = 0, 
     --dynamic_sample (DAPO), groups without reward spread are replaced by groups of fresh rows, for
     at most --max_resample_times more rollout rounds; if too few are found, the last groups without
     spread fill the batch up again, so that it keeps its size. Each process draws its fresh rows
-    from its own share of the rows the step did not pick. Returns (trajectories, rounds used)."""
+    from its own share of the rows the step did not pick. A group is informative when some
+    advantage is not 0 (with gigpo: of a turn). Returns (trajectories, rounds used)."""
     rng = random.Random(args.seed * 100_003 + step)  # a step's rows depend on --seed and step only
     chosen, g = rng.sample(range(len(rows)), args.rows_per_step), args.num_generations
     trajectories = source.rollout([rows[i] for i in chosen[rank::world]], g, args.temperature)
@@ -358,10 +362,9 @@ def collect(source, rows, step: int, args: Args, names, weights, rank: int = 0, 
     unused = [i for i in range(len(rows)) if i not in set(chosen)][rank::world]  # each rank's own
     rng, informative, flat = random.Random(rng.random() + rank), [], []
     for rounds in range(args.max_resample_times + 1):
-        reward = grpo.rewards(trajectories, names, weights, args.use_gym_env)[1]  # (N,)
-        spread = grpo.with_spread(reward, g, grpo.valid_mask(trajectories))  # (N,)
+        per_turn = score(trajectories, names, weights, args).turn_advantages  # (N, T); gigpo's too
         for k in range(0, len(trajectories), g):
-            (informative if spread[k:k + g].any() else flat).append(trajectories[k:k + g])
+            (informative if per_turn[k:k + g].any() else flat).append(trajectories[k:k + g])
         if len(informative) >= wanted or rounds == args.max_resample_times or not unused:
             break
         fresh = rng.sample(unused, min(wanted - len(informative), len(unused)))
@@ -396,12 +399,19 @@ def gather(item, world: int):
 
 
 def score(trajectories, names, weights, args: Args) -> grpo.Scores:
-    """Step 2, with this run's flags."""
+    """Step 2, with this run's flags; --scale_rewards batch takes the std of every process's
+    rewards."""
+    batch_std = None
+    if args.scale_rewards == 'batch' and dist.is_initialized():
+        reward = grpo.rewards(trajectories, names, weights, args.use_gym_env)[1]  # (N,)
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, reward[grpo.valid_mask(trajectories)].tolist())
+        batch_std = torch.tensor(sum(everyone, [])).std().item()
     return grpo.score(trajectories, names, weights, use_gym_env=args.use_gym_env,
                       group_size=args.num_generations, beta=args.beta,
                       estimator=args.advantage_estimator, scale=args.scale_rewards,
                       overlong_filter=args.overlong_filter, step_advantage_w=args.step_advantage_w,
-                      gamma=args.gamma)
+                      gamma=args.gamma, batch_std=batch_std)
 
 
 def evaluation(log: RunLog, source, rows, env_cls, args: Args, step: int, tag: str):

@@ -10,7 +10,7 @@ from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-from env import Messages, RolloutInferRequest
+from env import Messages, RolloutInferRequest, UserError
 
 
 @dataclass
@@ -48,9 +48,22 @@ class TokenRecord:
                              {'role': 'assistant', 'content': 'MARK'}])
         self.turn_closer = self.encode(probe[probe.rindex('MARK') + 4:])  # ChatML: '<|im_end|>\n'
 
-    def render(self, messages: Messages, add_generation_prompt=False) -> str:
+    def render(self, messages: Messages, prompt=False) -> str:
+        """The chat template's text; prompt: ready for the next reply (the assistant's header, or,
+        when the last message is the assistant's, that message left open: the reply continues it)."""
+        cont = prompt and messages[-1]['role'] == 'assistant'
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
+                                                  add_generation_prompt=prompt and not cont,
+                                                  continue_final_message=cont)
+
+    def renders_tools(self) -> bool:
+        """Whether the chat template shows a {'role': 'tool'} message (some raise, some drop it)."""
+        try:
+            return 'PROBE' in self.render([{'role': 'user', 'content': 'x'},
+                                           {'role': 'assistant', 'content': 'y'},
+                                           {'role': 'tool', 'content': 'PROBE'}])
+        except Exception:
+            return False
 
     def encode(self, text: str) -> List[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -61,7 +74,7 @@ class TokenRecord:
         return self._open(t, t.request.messages, room)
 
     def _open(self, t: Trajectory, messages: Messages, room: int) -> bool:
-        ids = self.encode(self.render(messages, add_generation_prompt=True))
+        ids = self.encode(self.render(messages, prompt=True))
         if len(ids) > room:
             return False
         n = len(ids)
@@ -81,17 +94,29 @@ class TokenRecord:
         """The template's closer after a reply, unless the reply ends with its first token."""
         self.add(t, self.turn_closer[1:] if ids[-1:] == self.turn_closer[:1] else self.turn_closer)
 
-    def follow(self, t: Trajectory, before: Messages, room: int) -> bool:
-        """After a step hook, the record follows the conversation it left (t.request.messages):
-        - appended to: the new messages' ids (mask 0) go at the end of the segment;
-        - rewritten: the segment ends as it was (`before`), a new one starts on the new one.
+    def follow(self, t: Trajectory, before: Messages, reply: List[int], room: int,
+               continued: bool) -> bool:
+        """After a step hook, the record follows the conversation (t.request.messages; `before`: as
+        the hook found it, the reply included; `reply`: this turn's ids; `continued`: the hook gave
+        them, response_token_ids):
+        - the reply continued (the same messages, the last the assistant's): the next reply adds to
+          these ids; a hook that changed the reply must have given the ids it added;
+        - appended to: the turn is closed, and the new messages' ids (mask 0) go at the end;
+        - rewritten: the turn is closed, the segment ends as `before`, and a new one starts.
         False when the result would hold more than `room` ids (then nothing is added, and the
-        conversation is cut back to what the model has seen)."""
+        conversation is cut back to `before`)."""
         messages, segment = t.request.messages, t.segments[-1]
-        added = self._appended(segment, messages)
+        if (len(messages) == len(before) and messages[:-1] == before[:-1]
+                and messages[-1]['role'] == 'assistant'):
+            if messages[-1] != before[-1] and not continued:
+                raise UserError('a step hook changed the reply it continues without giving the '
+                                'ids it added (response_token_ids, response_loss_mask)')
+            return len(segment.token_ids) <= room
+        self.close_turn(t, reply)
+        added = self._appended(segment, before, messages)
         if added is not None:
             if len(segment.token_ids) + len(added) > room:
-                del messages[len(segment.messages) + 1:]  # no room to answer what was added
+                del messages[len(before):]  # no room to answer what was added
                 return False
             self.add(t, added)
             segment.messages = deepcopy(messages)
@@ -102,15 +127,13 @@ class TokenRecord:
         t.request.messages = before
         return False
 
-    def _appended(self, segment: Segment, messages: Messages) -> Optional[List[int]]:
-        """The ids `messages` add after the segment's, when they only add to it (they begin with its
-        conversation and its closed reply); None when they rewrote it."""
-        n = len(segment.messages)
-        if (messages[:n] != segment.messages or len(messages) <= n
-                or messages[n]['role'] != 'assistant'):
+    def _appended(self, segment: Segment, before: Messages, messages: Messages):
+        """The ids `messages` add after the segment's, when they only add to `before` and the
+        template renders what the segment holds unchanged; None when they rewrote it."""
+        if messages[:len(before)] != before or len(messages) <= len(before):
             return None
-        closed, after = self.render(messages[:n + 1]), self.render(messages, True)
-        seen = self.render(segment.messages, True)
+        seen, closed = self.render(segment.messages, prompt=True), self.render(before)
+        after = self.render(messages, prompt=True)
         if not (closed.startswith(seen) and after.startswith(closed)):
             return None
         return self.encode(after[len(closed):])

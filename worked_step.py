@@ -3,9 +3,10 @@
 Four scripted walks play one FrozenLake map (the real env), and each formula of README's "The
 algorithm" is printed in turn, computed by the real functions of grpo.py, so this cannot drift
 from the trainer: 1. rewards and their columns; 2. advantages (GRPO's, RLOO's, and GiGPO's
-step-level ones); 3-4. the loss and which way each walk's tokens are pushed; 5. the weight
-each --loss_type gives a token; then a second pass, where the ratio moves and the clip acts.
-A reply's tokens are counted here as one per four characters (a real tokenizer would split
+step-level ones); 3. the loss (beta 0: no KL term, step 4) and which way each walk's tokens are
+pushed; 5. the weight each --loss_type gives a token (dapo's is bnpo's); then a second pass,
+where the ratio moves and the clip acts. Step 6 leaves nothing out here: every walk has A != 0.
+A reply's tokens are counted as one per four characters, plus one (a real tokenizer would split
 differently); every number below follows from that count and the env's rewards.
 """
 import argparse
@@ -64,7 +65,8 @@ def table(title, header, rows):
 
 def rewards_and_advantages(group, names, gamma: float) -> grpo.Scores:
     """Steps 1 and 2, with GiGPO's step-level advantages beside."""
-    table('The group: one map, four walks', ['walk', 'replies', 'tokens', 'ends', 'cells'],
+    table('The group: one map, four walks of at most 5 replies (cells: row and column from 0)',
+          ['walk', 'replies', 'tokens', 'ends', 'cells'],
           [(k, t.num_turns, t.num_sampled, t.stop_reason,
             ' '.join(f'{r}{c}' for r, c in t.rollout_infos['states']))
            for k, t in zip(names, group)])
@@ -101,8 +103,9 @@ def the_loss(group, names, scores: grpo.Scores):
     logprobs = torch.full(b.loss_mask.shape, -0.5, requires_grad=True)  # any values: ratio 1
     loss, _ = loss_of(logprobs, logprobs.detach())
     loss.backward()
-    table(f'3-4. First pass: ratio 1, L_t = -A; the bnpo loss is {loss.item():+.4f}; gradient '
-          "descent makes each walk's tokens", ['walk', 'A', 'd loss/d logp', ''],
+    table(f'3. First pass: ratio 1, L_t = -A; the bnpo loss is {loss.item():+.4f}; gradient '
+          "descent makes each walk's tokens (shortest walk first, as micro-batches are)",
+          ['walk', 'A', 'd loss/d logp', ''],
           [(k, first(b.advantages, i), first(logprobs.grad, i),
             'likelier' if first(logprobs.grad, i) < 0 else 'less likely')
            for i, k in enumerate(order)])
@@ -113,14 +116,14 @@ def the_loss(group, names, scores: grpo.Scores):
                        counts.denominator(loss_type, budget)).backward()  # d loss/d L_t: its weight
         rows.append([loss_type] + [first(values.grad, i) for i in range(4)])
     table(f'5. The weight of one sampled token ({counts.tokens:.0f} tokens, '
-          f'{counts.trajectories:.0f} trajectories, dr_grpo budget {budget})',
+          f'{counts.trajectories:.0f} trajectories, dr_grpo budget {budget} = 4 x 5 turns x 16)',
           ['loss_type'] + order, rows)
     shift = torch.tensor([[-0.3], [0.1], [0.3], [0.3]]) * b.advantages.sign()  # C: the wrong way
     moved = (logprobs.detach() + shift).requires_grad_()
     loss, clipped = loss_of(moved, logprobs.detach())
     loss.backward()
-    table('   A second pass (--num_iterations 2), the ratios moved: where min() takes the clipped '
-          'term, no gradient', ['walk', 'A', 'ratio', 'clipped', 'd loss/d logp'],
+    table('   A second pass (--num_iterations 2), the ratios moved (log-ratios -0.3, 0.1, 0.3, 0.3 '
+          'times the sign of A): where min() takes the clipped term, no gradient', ['walk', 'A', 'ratio', 'clipped', 'd loss/d logp'],
           [(k, first(b.advantages, i), first(torch.exp(moved - logprobs), i),
             bool(first(clipped, i)), first(moved.grad, i)) for i, k in enumerate(order)])
 
