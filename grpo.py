@@ -81,13 +81,35 @@ def with_spread(rewards: torch.Tensor, group_size: int, valid: torch.Tensor) -> 
     return spread.repeat_interleave(group_size) & valid
 
 
+def turn_rewards(trajectories, funcs: List[str], weights: List[float], use_gym_env: bool):
+    """Each trajectory's weighted reward split into its turns, for GiGPO: turn k earns the env's
+    step reward, plus, for each --reward_funcs column, how much its function's value changed with
+    the k-th reply (the conversation up to it against up to the reply before), all weighted as in
+    `rewards`. Over a game they add up to its weighted reward (less the columns' value before any
+    reply: 0 for FrozenLake's `progress`), so a shaping column (a potential difference, as
+    `progress` is) shapes each turn as it shapes the game."""
+    out = []
+    for t in trajectories:
+        gym = t.rollout_infos.get('step_rewards', [])
+        ends = [k + 1 for k, m in enumerate(t.messages) if m['role'] == 'assistant']
+        cuts = [ends[0] - 1] + ends if funcs and ends and t.stop_reason != 'error' else []
+        values = [[reward_funcs[name](t.messages[:cut]) for name in funcs] for cut in cuts]
+        changes = [sum(w * (b - a) for w, a, b in zip(weights, before, after))
+                   for before, after in zip(values, values[1:])]
+        changes += [0.0] * (len(gym) - len(changes))
+        out.append([c + (weights[-1] * r if use_gym_env else 0.0) for c, r in zip(changes, gym)])
+    return out
+
+
 def step_advantages(trajectories, group_size: int, gamma: float, scale: str,
-                    eps: float = 1e-4) -> torch.Tensor:
+                    eps: float = 1e-4, step_rewards=None) -> torch.Tensor:
     """(N, T) GiGPO's step-level advantages (arXiv 2505.10978): turn k of trajectory i is judged
     by its discounted return from then on, G = r_k + gamma r_k+1 + ..., against the returns of
     every turn in its group that started from the same env state (an anchor state: the env's
     `state_key` before each reply, in rollout_infos['states']). A state met once, or whose
-    returns all agree, gets exactly 0; so does every turn of a trajectory whose env raised."""
+    returns all agree, gets exactly 0; so does every turn of a trajectory whose env raised.
+    step_rewards: each trajectory's r_k (`turn_rewards`); not given: the env's own,
+    rollout_infos['step_rewards']."""
     # BEGIN SOLUTION exercise 6: step-level credit (GiGPO)
     out = torch.zeros(len(trajectories), max([t.num_turns for t in trajectories] + [1]))  # (N, T)
     for start in range(0, len(trajectories), group_size):
@@ -96,7 +118,7 @@ def step_advantages(trajectories, group_size: int, gamma: float, scale: str,
             if trajectories[i].stop_reason == 'error':
                 continue
             infos, future = trajectories[i].rollout_infos, [0.0]  # future[k]: return from turn k
-            for r in reversed(infos.get('step_rewards', [])):
+            for r in reversed(step_rewards[i] if step_rewards else infos.get('step_rewards', [])):
                 future.insert(0, r + gamma * future[0])
             for k, (state, ret) in enumerate(zip(infos.get('states', []), future[:-1])):
                 anchors.setdefault(json.dumps(state), []).append((i, k, ret))
@@ -141,8 +163,9 @@ def score(trajectories, names, weights, *, use_gym_env: bool, group_size: int, b
     advantages = advantages * with_spread(reward, group_size, ok)
     per_turn = advantages.unsqueeze(1).expand(-1, max([t.num_turns for t in trajectories] + [1]))
     if estimator == 'gigpo':  # (N, T)
+        shaped = turn_rewards(trajectories, names, weights, use_gym_env)
         per_turn = per_turn + step_advantage_w * step_advantages(trajectories, group_size, gamma,
-                                                                 scale)
+                                                                 scale, step_rewards=shaped)
     cut = torch.tensor([overlong_filter and t.stop_reason in OVERLONG for t in trajectories])
     in_loss = ok & ~cut
     # Who is computed: with beta = 0 a trajectory whose every turn has A = 0 adds exactly 0 to the

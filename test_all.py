@@ -1379,6 +1379,19 @@ def gigpo_walks():
     return group
 
 
+def test_ex6_gigpo_turns_share_the_shaped_reward():
+    from worked_step import WALKS, play
+    walks = [asyncio.run(play(replies)) for replies in WALKS.values()]  # seed 0: S at (1, 0), G at (3, 3)
+    env_only = grpo.step_advantages(walks, 4, 0.95, 'group')  # from the env's step rewards alone
+    shaped = grpo.turn_rewards(walks, ['progress'], [0.5, 1.0], use_gym_env=True)
+    assert shaped == [pytest.approx(r) for r in ([0.1, 0.1, 0.1, 0.1, 1.1], [0.1, 0.1, 0.1], [-0.1], [0, 0.1, 0.1, 0, 0])]
+    scores = grpo.score(walks, ['progress'], [0.5, 1.0], use_gym_env=True, group_size=4, beta=0.0, estimator='gigpo')
+    assert [sum(r) for r in shaped] == pytest.approx(scores.rewards.tolist())  # the turns add up to the game
+    own = grpo.step_advantages(walks, 4, 0.95, 'group', step_rewards=shaped)
+    assert torch.allclose(scores.turn_advantages - scores.advantages[:, None], own, atol=1e-6)
+    assert not torch.allclose(own, env_only)  # the env's step rewards alone judge otherwise
+
+
 def test_ex6_gigpo_step_advantages_by_hand():
     group = gigpo_walks()
     step = grpo.step_advantages(group, 3, gamma=0.9, scale='none')

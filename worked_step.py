@@ -76,9 +76,13 @@ def rewards_and_advantages(group, names, gamma: float) -> grpo.Scores:
     rloo = grpo.group_advantages(scores.rewards, 4, estimator='rloo', scale='none')
     table('2. Advantage: grpo (r - mean) / (sample std + 1e-4); rloo: r - the mean of the others',
           ['walk', 'grpo', 'rloo'], zip(names, scores.advantages.tolist(), rloo.tolist()))
-    step = grpo.step_advantages(group, 4, gamma=gamma, scale='group')
-    table(f'   gigpo adds, per turn: its return against the turns from the same cell '
-          f'(gamma {gamma})',
+    shaped = grpo.turn_rewards(group, ['progress'], [0.5, 1.0], use_gym_env=True)
+    table("   each turn's share of r: 0.5 x its change of progress + its gym step reward",
+          ['walk'] + [f'turn {k + 1}' for k in range(max(len(r) for r in shaped))],
+          [(k, *[f'{v:+.3f}' for v in r]) for k, r in zip(names, shaped)])
+    step = grpo.step_advantages(group, 4, gamma=gamma, scale='group', step_rewards=shaped)
+    table(f'   gigpo adds, per turn: its return from these, discounted, against the turns '
+          f'from the same cell (gamma {gamma})',
           ['walk'] + [f'turn {k + 1}' for k in range(step.shape[1])],
           [(k, *[f'{v:+.3f}' if j < t.num_turns else '' for j, v in enumerate(row.tolist())])
            for k, t, row in zip(names, group, step)])
