@@ -1,11 +1,10 @@
 """Multi-turn rollouts: ms-swift's hook-based `MultiTurnScheduler` and `multi_turns` registry, the
 document's `GYMScheduler` (with the tool loop) and three example schedulers; "启动训练" and "2.
-GYMScheduler 的 hook 实现" of the GYM-env document. The hooks: docs/ms-swift.md. One turn of one
-trajectory (`_play_turn`): the engine replies (the live trajectories together, one batched call);
-the reply joins the conversation; `on_turn_end` (the env's step, or a tool) or `check_finished`
-says whether it is over; if not, `step` makes the next request, and the token record
-(trajectory.py) follows it. Left out: overriding ms-swift's `run` (it needs ms-swift's engine
-API) and ID-backed messages.
+GYMScheduler 的 hook 实现" of the GYM-env document. A turn (`_play_turn`): the engine replies to
+every live trajectory in one batched call; each reply joins its conversation; `on_turn_end` (the
+env's step, or a tool) or `check_finished` says whether the game is over; if not, `step` makes the
+next request, which the token record (trajectory.py) follows. The hooks: docs/ms-swift.md. Left
+out: overriding ms-swift's `run` (it needs ms-swift's engine API) and ID-backed messages.
 """
 import asyncio
 import inspect
@@ -320,16 +319,10 @@ class ExpertScheduler(GYMScheduler):
 
     def _complete(self, live):
         closer = self.record.turn_closer[:1]
-        replies = [self.record.encode(expert(self._envs[t.request.uuid], t.request.messages))
+        replies = [self.record.encode(self._envs[t.request.uuid].expert_reply(t.request.messages))
                    + closer for t in live]
         return [SimpleNamespace(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason='stop')
                 for ids in replies]
-
-
-def expert(env, messages):
-    """The env's expert reply; an expert_reply() of the older signature gets no conversation."""
-    takes = len(inspect.signature(env.expert_reply).parameters)
-    return env.expert_reply(messages) if takes else env.expert_reply()
 
 
 # --multi_turn_scheduler names; a plugin adds its own: multi_turns['my_scheduler'] = MyScheduler
