@@ -49,8 +49,8 @@ class TokenRecord:
         self.turn_closer = self.encode(probe[probe.rindex('MARK') + 4:])  # ChatML: '<|im_end|>\n'
 
     def render(self, messages: Messages, prompt=False) -> str:
-        """The chat template's text; prompt: ready for the next reply (the assistant's header, or,
-        when the last message is the assistant's, that message left open: the reply continues it)."""
+        """The chat template's text; prompt: ready for the next reply (the assistant's header,
+        or, when the last message is the assistant's, that message left open to continue)."""
         cont = prompt and messages[-1]['role'] == 'assistant'
         return self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                   add_generation_prompt=prompt and not cont,

@@ -127,7 +127,8 @@ def the_loss(group, names, scores: grpo.Scores):
     loss, clipped = loss_of(moved, logprobs.detach())
     loss.backward()
     table('   A second pass (--num_iterations 2), the ratios moved (log-ratios -0.3, 0.1, 0.3, 0.3 '
-          'times the sign of A): where min() takes the clipped term, no gradient', ['walk', 'A', 'ratio', 'clipped', 'd loss/d logp'],
+          'times the sign of A): where min() takes the clipped term, no gradient',
+          ['walk', 'A', 'ratio', 'clipped', 'd loss/d logp'],
           [(k, first(b.advantages, i), first(torch.exp(moved - logprobs), i),
             bool(first(clipped, i)), first(moved.grad, i)) for i, k in enumerate(order)])
 
