@@ -62,7 +62,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 import batching  # noqa: E402
 import frozen_lake  # noqa: E402  (registers envs['frozen_lake'])
 import grpo  # noqa: E402
-import train  # noqa: E402
+import update  # noqa: E402
 from config import Args  # noqa: E402
 from engines import Colocated, HFEngine, VLLMEngine, embedded_model, policy_weights, quiet  # noqa
 from logs import evaluate  # noqa: E402
@@ -132,7 +132,7 @@ if cli.part == 'update':
             computed = sum(b.input_ids.numel() for b in batches)  # what the model reads, padding
             step = Args(share_prompt=share, gradient_checkpointing=recompute,
                         micro_batch_size=cli.micro_batch_size)
-            seconds, _ = timed(lambda: train.train_step(model, None, optimizer, trajectories,
+            seconds, _ = timed(lambda: update.train_step(model, None, optimizer, trajectories,
                                                         scores, step, 0))
             results[recompute, share] = seconds
             flops = (8 if recompute else 6) * body * computed  # forward 2, backward 4, recompute 2

@@ -1321,7 +1321,7 @@ class RowRollouts:
                 for row in rows for k in range(group_size)]
 
 
-def test_dynamic_sampling_refills_the_batch_with_informative_groups():
+def test_ex2_dynamic_sampling_refills_the_batch_with_informative_groups():
     import train
     rows = [{'messages': [], 'env_config': {'seed': s}} for s in range(8)]
     args = config.Args(rows_per_step=2, num_generations=2, dynamic_sample=True, max_resample_times=10)
@@ -1335,7 +1335,7 @@ def test_dynamic_sampling_refills_the_batch_with_informative_groups():
     assert len(train.collect(RowRollouts(informative=(7,)), rows, 1, args, [], [1.0])[0]) == 8  # too few: filled up
 
 
-def test_dynamic_sampling_processes_draw_different_fresh_rows():
+def test_ex2_dynamic_sampling_processes_draw_different_fresh_rows():
     import train
     rows = [{'messages': [], 'env_config': {'seed': s}} for s in range(8)]
     args = config.Args(rows_per_step=2, num_generations=2, dynamic_sample=True, max_resample_times=10)
@@ -2091,6 +2091,7 @@ def fixed_steps(model_dir, out):
     torchrun started (or taken whole by one process). Rank 0 saves, per case, the parameters the
     step moved (COMPARED) and the logged loss."""
     import train
+    import update
     from transformers import AutoModelForCausalLM
     rank, world = train.start_processes(config.Args(rows_per_step=8, device='cpu'))
     generator = torch.Generator().manual_seed(0)
@@ -2112,7 +2113,7 @@ def fixed_steps(model_dir, out):
             args = config.Args(loss_type=loss_type, micro_batch_size=2, gradient_checkpointing=False, max_grad_norm=1e9,
                                rows_per_step=8, num_generations=1, max_turns=1, max_completion_length=8)
             optimizer = torch.optim.SGD(model.parameters(), lr=0.5)  # (Adam's first step is near sign(g): too touchy)
-            stats = train.train_step(model, None, optimizer, [trajectories[i] for i in mine], scores, args, 0)
+            stats = update.train_step(model, None, optimizer, [trajectories[i] for i in mine], scores, args, 0)
             moved = {k: v.clone() for k, v in model.state_dict().items() if k.startswith(COMPARED)}
             moved['embed'] = model.state_dict()['model.embed_tokens.weight'][:1000].clone()
             results[loss_type, starved] = moved, stats['loss']
@@ -2150,6 +2151,7 @@ def test_the_update_runs_where_the_model_is(tiny_model_dir):
     from torch.overrides import TorchFunctionMode
     from transformers import AutoModelForCausalLM
     import train
+    import update
 
     class OnMeta(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -2176,7 +2178,7 @@ def test_the_update_runs_where_the_model_is(tiny_model_dir):
             optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
             for share in (True, False):
                 with OnMeta():
-                    stats = train.train_step(model, ref_model, optimizer, trajectories, scores,
+                    stats = update.train_step(model, ref_model, optimizer, trajectories, scores,
                                              dataclasses.replace(args, share_prompt=share), 0)
                 assert stats['updated'] and stats['skipped'] == 0, (tuner, share)
     finally:

@@ -6,7 +6,7 @@ Implements "6. 训练" of the GYM-env document; colocate mode by default, server
    its row's env_config, so it plays the same map), played against their envs (scheduler.py);
 2. rewards and advantages: reward columns, weighted sum, group-relative advantages (grpo.py);
 3. update: the trainer recomputes the sampled tokens' logprobs, the GRPO loss, one optimizer
-   step per --num_iterations pass (`train_step`);
+   step per --num_iterations pass (update.py);
 4. sync: push the new weights into the engine (engines.py);
 5. log: one line, metrics.jsonl, completions.jsonl; evaluate and checkpoint every few steps.
 The flags and their checks are in config.py; the task's own rules (extra rewards, held-out rows,
@@ -14,7 +14,6 @@ success, its expert) come from its env class (env.py). LoRA (peft), several proc
 and a GPU are options: docs/speed-and-scaling.md.
 Left out: learning-rate schedules, reward models, FSDP/DeepSpeed.
 """
-import contextlib
 import dataclasses
 import json
 import os
@@ -28,7 +27,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 import arithmetic  # noqa: F401,E402  (registers envs['arithmetic'] and tools['calculator'])
-import batching  # noqa: E402
 import frozen_lake  # noqa: F401,E402  (registers envs['frozen_lake'] and its rewards)
 import grpo  # noqa: E402
 from config import Args, check_args, parse_args  # noqa: E402
@@ -36,6 +34,7 @@ from engines import Colocated, RolloutClient, embedded_model, make_engine, quiet
 from env import UserError  # noqa: E402
 from logs import RunLog  # noqa: E402
 from scheduler import ExpertScheduler, make_scheduler  # noqa: E402
+from update import train_step  # noqa: E402
 
 
 # ------------------------------------------------------------ models, rollouts, checkpoints
@@ -43,7 +42,7 @@ from scheduler import ExpertScheduler, make_scheduler  # noqa: E402
 def load_policy(path: str, args: Args, device: torch.device):
     """The model at `path` on `device`, a full model folder or a LoRA adapter folder (its base
     named in adapter_config.json); with --tuner_type lora a full model gets fresh adapters (peft).
-    The weights are fp32 whatever --torch_dtype says (train_step's `precision`)."""
+    The weights are fp32 whatever --torch_dtype says (update.precision)."""
     from transformers import AutoModelForCausalLM
     adapter = os.path.join(path, 'adapter_config.json')
     base = json.load(open(adapter))['base_model_name_or_path'] if os.path.exists(adapter) else path
@@ -149,163 +148,7 @@ def save_checkpoint(model, tokenizer, optimizer, step: int, output_dir: str, onl
             shutil.rmtree(os.path.join(output_dir, old), ignore_errors=True)
 
 
-# ------------------------------------------------------------------------------ the update
-
-SUMS = ('loss', 'kl', 'clipped', 'entropy', 'gap', 'is_clipped', 'computed')  # what a pass adds up
-
-
-def train_step(model, ref_model, optimizer, trajectories, scores: grpo.Scores, args: Args,
-               pad_id: int) -> dict:
-    """README "The algorithm", steps 3-5, on this process's share of the step's trajectories:
-    1. the normalisers' counts over every process (grpo.Counts), and the micro-batches;
-    2. logp_old and the KL anchor's logprobs, without gradients (`anchors`);
-    3. a pass over the micro-batches that train: per-token losses, one number each, backward
-       (`one_pass`); the first pass also measures the others, so that `entropy` and
-       `logprob_gap` cover every valid sampled token (`measure`);
-    4. the gradients added up over the processes, clipped, one optimizer step (`step_optimizer`);
-       3-4 once per --num_iterations. `updated`: whether any process had anything to train."""
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    local = torch.tensor(dataclasses.astuple(grpo.count(trajectories, scores)), dtype=torch.float64)
-    counts = grpo.Counts(*all_sum(local.to(model.device), world).tolist())
-    budget = args.rows_per_step * args.num_generations * args.max_turns * args.max_completion_length
-    trained, measured = step_batches(model, trajectories, scores, args, pad_id)
-    stats = {'loss': 0.0, 'kl': 0.0, 'clip_ratio': 0.0, 'grad_norm': 0.0, 'skipped': 0,
-             'is_clipped': 0.0, 'updated': counts.trained > 0}
-    model.train()  # gradient checkpointing is active in train mode only (Llama has no dropout)
-    old, ref = anchors(model, ref_model, trained, args)
-    is_weights, passes = [None] * len(trained), args.num_iterations if counts.trained else 0
-    for iteration in range(max(passes, 1)):  # nothing trains anywhere: measure only, no step
-        optimizer.zero_grad(set_to_none=True)
-        denominator = counts.denominator(args.loss_type, budget)
-        sums = one_pass(model, trained, old, ref, is_weights, denominator, args)
-        sums += measure(model, measured if iteration == 0 else [], args)
-        sums = dict(zip(SUMS, all_sum(sums, world).tolist()))
-        add_pass(stats, sums, counts, passes, first=iteration == 0)
-        if passes:
-            step_optimizer(model, optimizer, stats, sums['loss'] / passes, args.max_grad_norm,
-                           world)
-    model.eval()
-    return stats
-
-
-def add_pass(stats: dict, sums: dict, counts: grpo.Counts, passes: int, first: bool):
-    """A pass's SUMS (every process's) into the step's means: entropy, logprob_gap and
-    is_clipped from the first pass (later ones see weights the engine never sampled from), kl and
-    clip_ratio averaged over the passes."""
-    if first:
-        stats.update(entropy=sums['entropy'] / max(counts.sampled, 1),
-                     logprob_gap=sums['gap'] / max(counts.sampled, 1),
-                     is_clipped=sums['is_clipped'] / max(sums['computed'], 1))
-    if passes:
-        stats['kl'] += sums['kl'] / max(counts.tokens, 1) / passes
-        stats['clip_ratio'] += sums['clipped'] / max(counts.tokens, 1) / passes
-
-
-def step_batches(model, trajectories, scores: grpo.Scores, args: Args, pad_id: int):
-    """(the micro-batches that train, those only measured: valid, with sampled tokens, not
-    trained), on the model's device."""
-    rest = [i for i, t in enumerate(trajectories)
-            if scores.valid[i] and t.num_sampled and i not in scores.trained]
-    # packing hands the model a 4D attention mask, which sdpa and eager attention take
-    packed = args.share_prompt and model.config._attn_implementation in ('sdpa', 'eager')
-    return ([b.to(model.device) for b in batching.micro_batches(
-                [trajectories[i] for i in rows], advantages, size=args.micro_batch_size,
-                pad_id=pad_id, share_prompt=packed)]
-            for rows, advantages in ((scores.trained, scores.turn_advantages[scores.trained]),
-                                     (rest, torch.zeros(len(rest)))))
-
-
-def one_pass(model, batches, old, ref, is_weights, denominator: float, args: Args) -> torch.Tensor:
-    """Forward and backward over the micro-batches that train; returns the pass's SUMS. The rollout
-    importance weights are computed in the first pass (they compare the engine with the policy
-    that sampled) and kept for the later ones (is_weights, filled in place)."""
-    sums = torch.zeros(len(SUMS), dtype=torch.float64, device=model.device)
-    for k, b in enumerate(batches):
-        with precision(args, model.device):
-            logprobs, entropies = batching.token_logprobs(model, b, args.temperature)  # (b, T)
-        old_k = old[k] if old else logprobs.detach()  # one pass: logp_old is logp itself, ratio 1
-        over = torch.zeros_like(b.loss_mask, dtype=torch.bool)
-        if args.rollout_importance_sampling_mode and is_weights[k] is None:
-            is_weights[k], over = grpo.rollout_is_weights(
-                old_k, b.engine_logprobs, b.loss_mask, args.rollout_importance_sampling_mode,
-                args.rollout_importance_sampling_threshold)
-        per_token, kl, clipped = grpo.token_loss(
-            logprobs, old_k, b.advantages, b.loss_mask, epsilon=args.epsilon,
-            epsilon_high=args.epsilon_high, beta=args.beta, ref_logprobs=ref[k] if ref else None,
-            level=args.importance_sampling_level, is_weights=is_weights[k])
-        loss = grpo.aggregate(per_token, b.loss_mask, b.trajectory_tokens, args.loss_type,
-                              denominator)
-        loss.backward()
-        mask = b.loss_mask
-        sums += torch.stack([loss.detach(), (kl.detach() * mask).sum(), (clipped * mask).sum(),
-                             (entropies * mask).sum(), gap(logprobs, b), (over * mask).sum(),
-                             mask.sum()]).double()
-    return sums
-
-
-def anchors(model, ref_model, batches, args: Args):
-    """(logp_old, the KL anchor's logprobs), per micro-batch, without gradients; None when not
-    needed: logp_old (the policy before this step) only with --num_iterations > 1, the anchor
-    (load_models) only with --beta > 0 (with LoRA: the same model, adapters off)."""
-    old, ref = None, None
-    with torch.no_grad(), precision(args, model.device):
-        if args.num_iterations > 1:
-            old = [batching.token_logprobs(model, b, args.temperature)[0] for b in batches]
-        if args.beta:
-            with model.disable_adapter() if ref_model is None else contextlib.nullcontext():
-                ref = [batching.token_logprobs(ref_model or model, b, args.temperature)[0]
-                       for b in batches]
-    return old, ref
-
-
-def measure(model, batches, args: Args) -> torch.Tensor:
-    """SUMS of the micro-batches that do not train: their entropy and logprob gap, no gradients."""
-    sums = torch.zeros(len(SUMS), dtype=torch.float64, device=model.device)
-    with torch.no_grad(), precision(args, model.device):
-        for b in batches:
-            logprobs, entropies = batching.token_logprobs(model, b, args.temperature)
-            sums[3:5] += torch.stack([(entropies * b.loss_mask).sum(), gap(logprobs, b)]).double()
-    return sums
-
-
-def gap(logprobs, b: batching.MicroBatch) -> torch.Tensor:
-    """The summed |trainer - engine| logprob difference over a micro-batch's sampled tokens."""
-    return ((logprobs.detach() - b.engine_logprobs).abs() * b.loss_mask).sum()
-
-
-def precision(args: Args, device):
-    """--torch_dtype bfloat16: the forward and backward in bf16 (autocast), the weights and AdamW's
-    state in fp32, so that small updates are not rounded away."""
-    if args.torch_dtype == 'bfloat16':
-        return torch.autocast(device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
-
-
-def all_sum(values: torch.Tensor, world: int) -> torch.Tensor:
-    """The sum of a tensor over the processes (one process: the tensor itself)."""
-    if world > 1:
-        dist.all_reduce(values)
-    return values
-
-
-def step_optimizer(model, optimizer, stats: dict, loss: float, max_norm: float, world: int):
-    """Data parallelism: add every trainable gradient up over the processes (each process already
-    divided by the whole batch's count, so the sum is one big batch's gradient), clip, and step;
-    skip the step if the gradient is not finite (the same on every process)."""
-    for p in model.parameters():
-        if p.requires_grad:
-            if p.grad is None:  # a process with nothing to train this step still takes part
-                p.grad = torch.zeros_like(p)
-            all_sum(p.grad, world)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    if torch.isfinite(grad_norm):
-        optimizer.step()
-        stats.update(loss=stats['loss'] + loss, grad_norm=grad_norm.item())
-    else:
-        print(f'warning: non-finite loss ({loss}) or gradient norm; update skipped')
-        optimizer.zero_grad(set_to_none=True)
-        stats['skipped'] += 1
-
+# ------------------------------------------------------------------------- 0. the warm start
 
 def warm_start(model, optimizer, source, rows, args: Args, tokenizer, rank=0, world=1):
     """--warm_start_steps supervised steps on games the env's expert plays on the training rows
