@@ -7,7 +7,9 @@ Implements "Gym 接口", "3. 注册" and "4. 准备数据集" of ms-swift's GYM-
    `reset(config) -> (observation, info, system_message)`,
    `step(messages) -> (next_observation, reward, done, info)` and `close()`.
 2. Its file registers it at import time: `envs['name'] = MyEnv`; extra reward columns go into
-   `reward_funcs['name'] = fn` (fn(messages) -> float), beside it.
+   `reward_funcs['name'] = fn` (fn(messages) -> float, of the whole conversation), beside it;
+   `fn.per_turn = True` says its value on the conversation so far depends only on where the game
+   is, so that GiGPO may credit each reply with its change (`grpo.turn_rewards`).
 3. `--external_plugins my_env.py` imports that file by path, so the registrations take effect.
 4. Each dataset row carries `env_config`; `env_config['name']`, when present, picks the env for
    that row and overrides `--gym_env`.

@@ -266,3 +266,4 @@ class FrozenLakeEnv(Env):
 envs['frozen_lake'] = FrozenLakeEnv
 reward_funcs['format'] = format_reward
 reward_funcs['progress'] = progress_reward
+progress_reward.per_turn = True  # a potential of the cell reached: GiGPO may split it by turn

@@ -83,21 +83,25 @@ def with_spread(rewards: torch.Tensor, group_size: int, valid: torch.Tensor) -> 
 
 def turn_rewards(trajectories, funcs: List[str], weights: List[float], use_gym_env: bool):
     """Each trajectory's weighted reward split into its turns, for GiGPO: turn k earns the env's
-    step reward, plus, for each --reward_funcs column, how much its function's value changed with
-    the k-th reply (the conversation up to it against up to the reply before), all weighted as in
-    `rewards`. Over a game they add up to its weighted reward (less the columns' value before any
-    reply: 0 for FrozenLake's `progress`), so a shaping column (a potential difference, as
-    `progress` is) shapes each turn as it shapes the game."""
+    step reward and, for each --reward_funcs column whose function is marked `per_turn` (its value
+    is a potential of where the game is, as FrozenLake's `progress`), how much that value changed
+    with the k-th reply (from 0 before the first); any other column counts at the last turn. All
+    weighted as in `rewards`, so that over a game they add up to its weighted reward."""
     out = []
     for t in trajectories:
-        gym = t.rollout_infos.get('step_rewards', [])
         ends = [k + 1 for k, m in enumerate(t.messages) if m['role'] == 'assistant']
-        cuts = [ends[0] - 1] + ends if funcs and ends and t.stop_reason != 'error' else []
-        values = [[reward_funcs[name](t.messages[:cut]) for name in funcs] for cut in cuts]
-        changes = [sum(w * (b - a) for w, a, b in zip(weights, before, after))
-                   for before, after in zip(values, values[1:])]
-        changes += [0.0] * (len(gym) - len(changes))
-        out.append([c + (weights[-1] * r if use_gym_env else 0.0) for c, r in zip(changes, gym)])
+        gym = t.rollout_infos.get('step_rewards', [])
+        turns = [weights[-1] * r if use_gym_env else 0.0 for r in gym]
+        turns += [0.0] * (len(ends) - len(turns))  # a last reply the env never took (a tool call)
+        for w, name in zip(weights, funcs) if turns and t.stop_reason != 'error' else ():
+            fn = reward_funcs[name]
+            if getattr(fn, 'per_turn', False):
+                values = [0.0] + [fn(t.messages[:end]) for end in ends[:-1]] + [fn(t.messages)]
+                for k in range(len(ends)):
+                    turns[k] += w * (values[k + 1] - values[k])
+            else:
+                turns[-1] += w * fn(t.messages)
+        out.append(turns)
     return out
 
 
@@ -240,7 +244,7 @@ def aggregate(values, loss_mask, trajectory_tokens, loss_type: str, denominator)
 @dataclass
 class Counts:
     """What the normalisers count (README step 5), ms-swift's definitions: a trajectory with A = 0
-    counts whether or not the update computes it. train.py adds up every process's."""
+    counts whether or not the update computes it. update.train_step adds up every process's."""
     tokens: float  # sampled tokens of the trajectories in the loss (bnpo, dapo)
     trajectories: float  # valid trajectories, those --overlong_filter leaves out included (grpo)
     sampled: float  # sampled tokens of every valid trajectory (the entropy and logprob-gap means)

@@ -208,6 +208,16 @@ def test_baselines_rank_as_they_should():
     assert share['uniform random'] < blind < careful < optimal == 1.0
 
 
+def test_the_fork_dataset_balances_the_word_the_hole_is_in():
+    """baselines.py --forks: half the maps' forks lie on the goal line's first word, half on its
+    second, so that no word-order rule wins more of them than another; none is a held-out map."""
+    import baselines
+    rows = baselines.fork_rows(8, 'around')
+    kinds = [set(baselines.forks(generate_random_map(seed=r['env_config']['seed']))) for r in rows]
+    assert kinds == [{'first'}, {'second'}] * 4
+    assert all(1000 <= r['env_config']['seed'] < 100_000 and r['env_config']['observation'] == 'around' for r in rows)
+
+
 def test_dynamics_match_gymnasium():
     gymnasium = pytest.importorskip('gymnasium', reason='gymnasium is a test dependency (pip install gymnasium)')
     index = {'left': 0, 'down': 1, 'right': 2, 'up': 3}  # Gymnasium's action numbers
@@ -1390,6 +1400,52 @@ def test_ex6_gigpo_turns_share_the_shaped_reward():
     own = grpo.step_advantages(walks, 4, 0.95, 'group', step_rewards=shaped)
     assert torch.allclose(scores.turn_advantages - scores.advantages[:, None], own, atol=1e-6)
     assert not torch.allclose(own, env_only)  # the env's step rewards alone judge otherwise
+
+
+def test_gigpo_splits_only_per_turn_columns_and_the_turns_add_up(monkeypatch):
+    """turn_rewards calls a reward function on the conversation so far only if it says `per_turn`;
+    any other column (one that needs the whole game: here it raises without a reply) counts at
+    the last turn; a per_turn column's value before the first reply is taken as 0, and a last
+    reply the env never took (a tool call in the last turn) is a turn of its own."""
+    def first_reply(messages):  # needs a reply: raises on the conversation before it
+        return float(len(next(m['content'] for m in messages if m['role'] == 'assistant')))
+
+    def replies_so_far(messages):  # 1 before any reply: not 0
+        return 1.0 + sum(m['role'] == 'assistant' for m in messages)
+    replies_so_far.per_turn = True
+    monkeypatch.setitem(grpo.reward_funcs, 'first_reply', first_reply)
+    monkeypatch.setitem(grpo.reward_funcs, 'replies_so_far', replies_so_far)
+    said = [{'role': 'user', 'content': 'go'}, {'role': 'assistant', 'content': 'ab'},
+            {'role': 'user', 'content': 'on'}, {'role': 'assistant', 'content': 'call'}]
+    game = Trajectory(RolloutInferRequest([]), [], {'step_rewards': [0.5], 'total_reward': 0.5, 'states': [[0], [1]]},
+                      stop_reason='max_turns', num_turns=2, messages=said)  # the 2nd reply: never stepped
+    names, weights = ['first_reply', 'replies_so_far'], [0.1, 1.0, 2.0]
+    shaped = grpo.turn_rewards([game], names, weights, use_gym_env=True)
+    assert shaped == [pytest.approx([2.0 * 0.5 + 1.0 * 2, 1.0 * 1 + 0.1 * 2])]
+    assert sum(shaped[0]) == pytest.approx(grpo.rewards([game], names, weights, True)[1].item())
+
+
+def test_ex2_collect_does_not_gather_the_batch_std_and_one_reward_is_no_nan(monkeypatch):
+    """Under torchrun, collect's rounds differ from process to process: it must not call a
+    collective; the step's own score gathers the batch std, 0 when the batch has one reward."""
+    import train
+    monkeypatch.setattr(train.dist, 'is_initialized', lambda: True)
+    monkeypatch.setattr(train.dist, 'get_world_size', lambda: 2)
+
+    def never(*a):
+        raise AssertionError('a collective in collect')
+    monkeypatch.setattr(train.dist, 'all_gather_object', never)
+    rows = [{'messages': [], 'env_config': {'seed': s}} for s in range(8)]
+    args = config.Args(rows_per_step=2, num_generations=2, dynamic_sample=True, max_resample_times=3,
+                       scale_rewards='batch')
+    train.collect(RowRollouts(), rows, 1, args, [], [1.0])
+
+    def one_reward(out, mine):
+        out[:] = [mine[:1], []]
+    monkeypatch.setattr(train.dist, 'all_gather_object', one_reward)
+    group = RowRollouts().rollout(rows[6:7], 2, 1.0)
+    scores = train.score(group, [], [1.0], args)
+    assert torch.isfinite(scores.advantages).all(), scores.advantages
 
 
 def test_ex6_gigpo_step_advantages_by_hand():
