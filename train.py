@@ -205,7 +205,7 @@ def collect(source, rows, step: int, args: Args, names, weights, rank: int = 0, 
     unused = [i for i in range(len(rows)) if i not in set(chosen)][rank::world]  # each rank's own
     rng, informative, flat = random.Random(rng.random() + rank), [], []
     for rounds in range(args.max_resample_times + 1):
-        per_turn = score(trajectories, names, weights, args, gather=False).turn_advantages
+        per_turn = score(trajectories, names, weights, args, gather_std=False).turn_advantages
         for k in range(0, len(trajectories), g):
             (informative if per_turn[k:k + g].any() else flat).append(trajectories[k:k + g])
         if len(informative) >= wanted or rounds == args.max_resample_times or not unused:
@@ -241,11 +241,11 @@ def gather(item, world: int):
     return items
 
 
-def score(trajectories, names, weights, args: Args, gather: bool = True) -> grpo.Scores:
+def score(trajectories, names, weights, args: Args, gather_std: bool = True) -> grpo.Scores:
     """Step 2, with this run's flags; --scale_rewards batch takes the std of every process's
-    rewards (not with gather False: `collect`, whose rounds differ from process to process)."""
+    rewards (not with gather_std False: `collect`, whose rounds differ from process to process)."""
     batch_std = None
-    if gather and args.scale_rewards == 'batch' and dist.is_initialized():
+    if gather_std and args.scale_rewards == 'batch' and dist.is_initialized():
         reward = grpo.rewards(trajectories, names, weights, args.use_gym_env)[1]  # (N,)
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, reward[grpo.valid_mask(trajectories)].tolist())
