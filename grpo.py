@@ -93,7 +93,10 @@ def turn_rewards(trajectories, funcs: List[str], weights: List[float], use_gym_e
         gym = t.rollout_infos.get('step_rewards', [])
         turns = [weights[-1] * r if use_gym_env else 0.0 for r in gym]
         turns += [0.0] * (len(ends) - len(turns))  # a last reply the env never took (a tool call)
-        for w, name in zip(weights, funcs) if turns and t.stop_reason != 'error' else ():
+        out.append(turns)
+        if not turns or t.stop_reason == 'error':
+            continue
+        for w, name in zip(weights, funcs):
             fn = reward_funcs[name]
             if getattr(fn, 'per_turn', False):
                 values = [0.0] + [fn(t.messages[:end]) for end in ends[:-1]] + [fn(t.messages)]
@@ -101,7 +104,6 @@ def turn_rewards(trajectories, funcs: List[str], weights: List[float], use_gym_e
                     turns[k] += w * (values[k + 1] - values[k])
             else:
                 turns[-1] += w * fn(t.messages)
-        out.append(turns)
     return out
 
 
