@@ -13,7 +13,9 @@ Each policy plays every map once, at most --max_turns moves, with FrozenLake's o
 `python baselines.py --forks N` writes a training dataset instead (JSONL on stdout): N maps whose
 expert path meets a fork (a cell where both moves toward G are open and one of them is a hole),
 half where the goal line's first word leads into the hole and half where its second word does,
-so that no word-order rule wins them and only the hole tells the moves apart.
+so that no word-order rule wins them and only the hole tells the moves apart. With --at_start
+the fork is the start itself (19% of maps): forks.jsonl, the default dataset, is
+`python baselines.py --forks 1024 --at_start --reason`.
 """
 import argparse
 import json
@@ -55,30 +57,37 @@ def first_word(grid, cell) -> str:
     return goal_words(grid, cell)[0]
 
 
-def forks(grid) -> list:
-    """The forks the expert's path meets, each 'first' (the goal line's first word leads into
-    the hole) or 'second'."""
-    cell, goal, kinds = find(grid, 'S'), find(grid, 'G'), []
+def fork(grid, cell):
+    """'first' where both moves toward G are open and the goal line's first word leads into a
+    hole, 'second' where its second word does, else None."""
+    near = toward(grid, cell, find(grid, 'G'))
+    holes = [m for m in near if m not in safe(grid, cell, near)]
+    if len(near) == 2 and len(holes) == 1:
+        return 'first' if holes[0] == first_word(grid, cell) else 'second'
+    return None
+
+
+def forks(grid, at_start: bool = False) -> list:
+    """The forks the expert's path meets (with at_start: the one at S, if any)."""
+    cell, kinds = find(grid, 'S'), []
     while grid[cell[0]][cell[1]] != 'G':
-        near = toward(grid, cell, goal)
-        holes = [m for m in near if m not in safe(grid, cell, near)]
-        if len(near) == 2 and len(holes) == 1:
-            kinds.append('first' if holes[0] == first_word(grid, cell) else 'second')
+        kinds.append(fork(grid, cell))
         cell = moved(grid, *cell, expert_move(grid, cell))
-    return kinds
+    return [kind for kind in (kinds[:1] if at_start else kinds) if kind]
 
 
-def fork_rows(n: int, observation: str, first_seed: int = 1000):
-    """n dataset rows, half of maps whose expert path meets only 'first' forks, half 'second'."""
+def fork_rows(n: int, env_config: dict, at_start: bool = False, first_seed: int = 1000):
+    """n dataset rows, half of maps whose expert path meets only 'first' forks, half 'second'
+    (with at_start: maps whose S is a fork, of either kind alternately), seeds from first_seed."""
     picked, seed = {'first': [], 'second': []}, first_seed
     while min(len(v) for v in picked.values()) < n // 2:
-        kinds = set(forks(generate_random_map(seed=seed)))
+        kinds = set(forks(generate_random_map(seed=seed), at_start))
         if len(kinds) == 1 and len(picked[min(kinds)]) < n // 2:
             picked[min(kinds)].append(seed)
         seed += 1
     seeds = [s for pair in zip(picked['first'], picked['second']) for s in pair]
     return [{'messages': [{'role': 'user', 'content': '<placeholder>'}],
-             'env_config': {'seed': s, 'observation': observation}} for s in seeds]
+             'env_config': {'seed': s, **env_config}} for s in seeds]
 
 
 def wins(grid, policy, rng, max_turns: int) -> bool:
@@ -98,9 +107,15 @@ if __name__ == '__main__':
                         help='write a dataset of this many fork maps instead')
     parser.add_argument('--observation', default='around',
                         help="with --forks: the rows' observation (default: around)")
+    parser.add_argument('--at_start', action='store_true',
+                        help='with --forks: maps whose start is the fork')
+    parser.add_argument('--reason', action='store_true',
+                        help='with --forks: rows whose replies say what lies toward G first')
     args = parser.parse_args()
     if args.forks:
-        print('\n'.join(json.dumps(row) for row in fork_rows(args.forks, args.observation)))
+        config = {'observation': args.observation, **({'reason': True} if args.reason else {})}
+        rows = fork_rows(args.forks, config, args.at_start)
+        print('\n'.join(json.dumps(row) for row in rows))
         raise SystemExit
     maps = [generate_random_map(seed=EVAL_SEED_BASE + i) for i in range(10_000)]
     for name, policy in POLICIES.items():

@@ -162,6 +162,8 @@ def parser(description: str, names=None) -> argparse.ArgumentParser:
         flags = ['--' + f.name] + (['--env'] if f.name == 'gym_env' else [])
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         text = f.metadata['help'] + ('' if default is None else f' (default: {shown(default)})')
+        text += ''.join(f" ({name}'s train_defaults: {shown(env.train_defaults[f.name])})"
+                        for name, env in sorted(envs.items()) if f.name in env.train_defaults)
         text = text.replace('%', '%%')  # argparse formats help strings with %
         if f.type == bool:
             out.add_argument(*flags, type=truth, metavar='true|false', help=text)
@@ -175,8 +177,12 @@ def parser(description: str, names=None) -> argparse.ArgumentParser:
 
 
 def parse_args(argv=None) -> Args:
+    """The flags given, then the env's `train_defaults` (FrozenLake's: its recipe), then Args'."""
     given = vars(parser('GRPO on GYM environments: train.py --env frozen_lake').parse_args(argv))
-    return Args(**{k: v for k, v in given.items() if v is not None})
+    given = {k: v for k, v in given.items() if v is not None}
+    load_plugins(given.get('external_plugins', []))  # a plugin env may bring train_defaults too
+    env_cls = envs.get(given.get('gym_env', Args.gym_env), Env)
+    return Args(**{**env_cls.train_defaults, **given})
 
 
 # ------------------------------------------------------------ input checks, before anything heavy

@@ -57,6 +57,7 @@ class Env(ABC):
     # ---- optional task rules, read by train.py only (ms-swift ignores them) ----
     default_reward_funcs: Dict[str, float] = {}  # extra reward columns, weights (no --reward_funcs)
     tools: List[str] = []  # tools.tools names its trajectories may call (a row's `tools` overrides)
+    train_defaults: Dict[str, Any] = {}  # train.py flag values where the command line gives none
 
     @classmethod
     def eval_rows(cls, n: int, env_config: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
@@ -107,9 +108,14 @@ envs: Dict[str, Type[Env]] = {}
 reward_funcs: Dict[str, Callable[[Messages], float]] = {}  # --reward_funcs names -> fn(messages)
 
 
+_loaded = set()  # the plugin files imported so far
+
+
 def load_plugins(paths: List[str]) -> None:
-    """Import each plugin file by path; its `envs['x'] = X` lines register its envs."""
+    """Import each plugin file by path, once; its `envs['x'] = X` lines register its envs."""
     for path in paths:
+        if Path(path).resolve() in _loaded:
+            continue
         spec = importlib.util.spec_from_file_location(Path(path).stem, path)
         if spec is None or not path.endswith('.py'):
             raise UserError(f'--external_plugins {path}: not a .py file')
@@ -121,6 +127,7 @@ def load_plugins(paths: List[str]) -> None:
         except Exception as e:
             raise UserError(f'--external_plugins {path}: import failed: {type(e).__name__}: '
                             f'{e}') from e
+        _loaded.add(Path(path).resolve())
 
 
 def env_name(row: Dict[str, Any], gym_env: str = None) -> str:

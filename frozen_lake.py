@@ -12,7 +12,9 @@
    maps (seeds 100000.., never in data.jsonl), its success test (total_reward >= 1), `draw`.
 env_config keys: `size` (4), `p` (0.8), `seed` (None: a fresh map each reset), `observation`
 ('goal': the goal-direction line; 'around': it and what lies each way; 'position': the player's row
-and column instead, as ms-swift's plugin).
+and column instead, as ms-swift's plugin); `reason` (false; true: the reply first says what
+lies each way toward the goal, 'Down is a hole, left is ice.', then the move, and so does the
+expert; with `position`, which shows no goal line, the expert's reply begins with it).
 
 The dynamics equal Gymnasium's `FrozenLake-v1(desc=..., is_slippery=False)` (test_all.py checks).
 Left out: slippery ice; ms-swift's reading of the *last* direction word of an untagged reply.
@@ -32,6 +34,10 @@ SYSTEM_PROMPT = (
     'Each turn, move one cell: up, down, left or right. Reach G to win. Falling into H loses. '
     'Moving off the grid leaves you where you are.\n'
     'Reply with your move inside action tags and nothing else, for example: <action>down</action>')
+REASON_PROMPT = SYSTEM_PROMPT.replace(  # env_config reason: say what lies toward G, then move
+    'your move inside action tags and nothing else',
+    'what lies each way toward the goal, then your move inside action tags').replace(
+    '<action>down', 'Down is ice, left is a hole. <action>down')
 
 _TAG = re.compile(r'<action>\s*(\w+)\s*</action>', re.IGNORECASE)
 _WORD = re.compile(r'\b(up|down|left|right)\b', re.IGNORECASE)
@@ -123,11 +129,22 @@ def goal_hint(grid: List[str], row: int, col: int) -> str:
 def around(grid: List[str], row: int, col: int) -> str:
     """What lies each way, in the action words: 'Around you: up is ice, down is a hole, left is the
     edge, right is the goal.' It too only restates the grid."""
+    return f"Around you: {lies(grid, row, col, ('up', 'down', 'left', 'right'))}."
+
+
+def toward_goal(grid: List[str], row: int, col: int) -> str:
+    """What lies each way the goal line names, in its order: 'Down is a hole, left is ice.' The
+    first half of a reply with env_config reason."""
+    return lies(grid, row, col, _WORD.findall(goal_hint(grid, row, col))).capitalize() + '.'
+
+
+def lies(grid: List[str], row: int, col: int, moves) -> str:
+    """'up is ice, down is a hole, left is the edge': what each of `moves` leads to."""
     names, parts = {'S': 'ice', 'F': 'ice', 'H': 'a hole', 'G': 'the goal'}, []
-    for move in ('up', 'down', 'left', 'right'):
+    for move in moves:
         r, c = moved(grid, row, col, move)
         parts.append(f"{move} is {'the edge' if (r, c) == (row, col) else names[grid[r][c]]}")
-    return f"Around you: {', '.join(parts)}."
+    return ', '.join(parts)
 
 
 def parse_action(reply: str) -> Optional[str]:
@@ -174,6 +191,10 @@ def progress_reward(messages: Messages) -> float:
 
 class FrozenLakeEnv(Env):
     default_reward_funcs = {'progress': 0.5}  # what `python train.py --env frozen_lake` trains with
+    train_defaults = {  # and its recipe (docs/results.md, "Teach it the forks"): 12 supervised
+        # steps on fork maps, the expert saying what lies toward G, at 5x the RL rate; then GRPO
+        'dataset': 'forks.jsonl', 'warm_start_steps': 12, 'warm_start_learning_rate': 1e-4,
+        'max_completion_length': 24, 'max_steps': 8}
 
     @classmethod
     def eval_rows(cls, n, env_config):  # the training rows' size, p and observation; fresh seeds
@@ -214,6 +235,7 @@ class FrozenLakeEnv(Env):
         self.p = float(env_config.get('p', 0.8))
         seed = env_config.get('seed')
         self.seed = int(seed) if seed is not None else None
+        self.reason = bool(env_config.get('reason', False))
         self.observation = env_config.get('observation', 'goal')
         if self.observation not in ('goal', 'around', 'position'):
             raise ValueError(f'env_config observation {self.observation!r}: choose goal, around or '
@@ -232,7 +254,8 @@ class FrozenLakeEnv(Env):
     async def reset(self, config: RolloutInferRequest):
         self.grid = generate_random_map(self.size, self.p, self.seed)
         self.row, self.col = find(self.grid, 'S')
-        return self.board(), {'seed': self.seed, 'grid': self.grid}, SYSTEM_PROMPT
+        system = REASON_PROMPT if self.reason else SYSTEM_PROMPT
+        return self.board(), {'seed': self.seed, 'grid': self.grid}, system
 
     async def step(self, action: Messages):
         move = parse_action(action[-1]['content'])
@@ -257,7 +280,12 @@ class FrozenLakeEnv(Env):
         return self.row, self.col  # the map is the group's: the cell is the state
 
     def expert_reply(self, messages=None):
-        return f'<action>{expert_move(self.grid, (self.row, self.col))}</action>'
+        cell = self.grid, self.row, self.col
+        move = f'<action>{expert_move(self.grid, (self.row, self.col))}</action>'
+        if not self.reason:
+            return move
+        where = goal_hint(*cell) + ' ' if self.observation == 'position' else ''  # not shown: say it
+        return f'{where}{toward_goal(*cell)} {move}'
 
     async def close(self):
         pass

@@ -212,10 +212,31 @@ def test_the_fork_dataset_balances_the_word_the_hole_is_in():
     """baselines.py --forks: half the maps' forks lie on the goal line's first word, half on its
     second, so that no word-order rule wins more of them than another; none is a held-out map."""
     import baselines
-    rows = baselines.fork_rows(8, 'around')
+    rows = baselines.fork_rows(8, {'observation': 'around'})
     kinds = [set(baselines.forks(generate_random_map(seed=r['env_config']['seed']))) for r in rows]
     assert kinds == [{'first'}, {'second'}] * 4
     assert all(1000 <= r['env_config']['seed'] < 100_000 and r['env_config']['observation'] == 'around' for r in rows)
+    start = baselines.fork_rows(8, {'observation': 'around', 'reason': True}, at_start=True)
+    grids = [generate_random_map(seed=r['env_config']['seed']) for r in start]  # S itself is the fork
+    assert [baselines.fork(g, frozen_lake.find(g, 'S')) for g in grids] == ['first', 'second'] * 4
+    assert all(r['env_config']['reason'] for r in start)
+
+
+def test_a_reasoned_reply_says_what_lies_toward_G_then_moves():
+    """env_config reason: the expert names what each goal-line move leads to, in the goal line's
+    order, then the move; the move is still read from the tag, not from the words before it."""
+    grid = ['SFFF', 'HFHF', 'FFFH', 'HFFG']  # from S the goal is down and right; down is a hole
+    assert frozen_lake.toward_goal(grid, 0, 0) == 'Down is a hole, right is ice.'
+    env = frozen_lake.FrozenLakeEnv({'reason': True})
+    env.grid, env.row, env.col = grid, 0, 0
+    reply = env.expert_reply()
+    assert reply == 'Down is a hole, right is ice. <action>right</action>'
+    assert parse_action(reply) == 'right'
+    _, _, system = asyncio.run(frozen_lake.FrozenLakeEnv({'seed': 3, 'reason': True}).reset(None))
+    assert 'toward the goal' in system and parse_action(system) == 'down'
+    env = frozen_lake.FrozenLakeEnv({'reason': True, 'observation': 'position'})  # no goal line shown: it says it
+    env.grid, env.row, env.col = grid, 0, 0
+    assert env.expert_reply() == 'The goal is 3 down and 3 right of you. ' + reply
 
 
 def test_dynamics_match_gymnasium():
@@ -903,7 +924,7 @@ reward_funcs['digits_only'] = digits_only
     (['--tuner_type', 'qlora'], '--tuner_type qlora: choose from full, lora'),
     (['--report_to', 'mlflow'], '--report_to mlflow: choose from tensorboard, wandb'),
     (['--model', '/no/such/folder'], '--model /no/such/folder: no such folder'),
-    (['--rows_per_step', '500'], '--rows_per_step 500: there are 128 training rows in data.jsonl'),
+    (['--rows_per_step', '2000'], '--rows_per_step 2000: there are 1024 training rows in forks.jsonl'),
 ])
 def test_bad_flags_are_refused_in_one_line(flags, message):
     with pytest.raises(UserError) as e:
@@ -948,11 +969,14 @@ def test_help_shows_the_true_defaults():
     funcs = frozen_lake.FrozenLakeEnv.default_reward_funcs  # the prose about FrozenLake's own rewards
     assert all(f"{name} {weight}" in options['--reward_weights'] for name, weight in funcs.items())
     assert all(name in options['--reward_funcs'] for name in funcs)
+    recipe = frozen_lake.FrozenLakeEnv.train_defaults  # what `--env frozen_lake` trains with, said too
+    assert all(f"frozen_lake's train_defaults: {config.shown(v)})" in options['--' + k] for k, v in recipe.items())
+    assert config.parse_args([]) == config.Args(**recipe) and config.parse_args(['--max_steps', '3']).max_steps == 3
 
 
 def test_each_task_brings_its_own_rewards_and_held_out_rows(tmp_path):
     rows, eval_rows, env_cls, names, weights = config.check_args(config.parse_args([]))
-    assert (names, weights, env_cls, len(rows)) == (['progress'], [0.5, 1.0], frozen_lake.FrozenLakeEnv, 128)
+    assert (names, weights, env_cls, len(rows)) == (['progress'], [0.5, 1.0], frozen_lake.FrozenLakeEnv, 1024)
     assert [r['env_config']['seed'] for r in eval_rows] == list(range(100_000, 100_256))
     assert config.check_args(config.parse_args(['--use_gym_env', 'false']))[3:] == (['progress'], [0.5])
     assert config.check_args(config.parse_args(['--reward_funcs', 'format']))[3:] == (['format'], [1.0, 1.0])
@@ -962,6 +986,8 @@ def test_each_task_brings_its_own_rewards_and_held_out_rows(tmp_path):
     rows, eval_rows, env_cls, names, weights = config.check_args(
         config.parse_args(['--external_plugins', str(tmp_path / 'guess.py'), '--gym_env', 'guess']))
     assert (names, weights, len(rows), len(eval_rows)) == ([], [1.0], 115, 13)  # 10% of data.jsonl held out
+    assert config.parse_args(['--external_plugins', str(tmp_path / 'guess.py'), '--gym_env', 'guess']) == config.Args(
+        external_plugins=[str(tmp_path / 'guess.py')], gym_env='guess')  # and none of FrozenLake's train_defaults
     assert eval_rows[-1]['env_config'] == {'seed': 127} and env_cls.is_success({}) is None
     assert config.check_args(config.parse_args(['--external_plugins', str(tmp_path / 'guess.py'), '--gym_env', 'guess',
                                               '--eval_size', '4']))[1][0]['env_config'] == {'seed': 124}
@@ -1934,7 +1960,8 @@ def test_schedulers_train_end_to_end(tmp_path, tiny_model_dir, scheduler):
     (tmp_path / 'tool.py').write_text(TOOL_PLUGIN)
     flags = {'tool_scheduler': ['--use_gym_env', 'false', '--reward_funcs', 'reply_length', '--max_turns', '3'],
              'window_scheduler': ['--max_turns', '4'],  # window 2: the rewrite after turn 3 starts a segment
-             'hint_scheduler': ['--env', 'frozen_lake', '--advantage_estimator', 'gigpo', '--beta', '0.01']}[scheduler]
+             'hint_scheduler': ['--env', 'frozen_lake', '--advantage_estimator', 'gigpo', '--beta', '0.01',
+                                '--warm_start_steps', '0']}[scheduler]
     played = {'window_scheduler': 'window_every_turn', 'hint_scheduler': 'hint_every_turn'}.get(scheduler, scheduler)
     run_train(tmp_path, tiny_model_dir, '--multi_turn_scheduler', played, '--eval_size', '0', *flags,
               '--external_plugins', str(tmp_path / 'length_plugin.py'), str(tmp_path / 'tool.py'))

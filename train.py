@@ -282,6 +282,8 @@ def main(args: Args):
         return before
     if args.warm_start_steps and not args.resume:  # ---- 0. a warm start on the env's expert ----
         warm_start(model, optimizer, source, rows, args, tokenizer, rank, world)
+        if args.eval_steps and args.max_steps:  # step 0 of --eval_steps: after the warm start
+            evaluation(log, source, eval_rows, env_cls, args, 0, 'during')
     for step in log.progress(range(start + 1, args.max_steps + 1), start, args.max_steps):
         t0 = time.time()  # ---- 1. rollout: this step's rows, a group of trajectories each ----
         trajectories, rounds = collect(source, rows, step, args, names, weights, rank, world)
