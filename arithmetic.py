@@ -55,6 +55,8 @@ def problem(seed) -> str:
 
 class ArithmeticEnv(Env):
     tools = ['calculator']
+    train_defaults = {'warm_start_steps': 8, 'max_steps': 8, 'max_turns': 3,  # docs/results.md
+                      'max_completion_length': 48}
 
     @classmethod
     def eval_rows(cls, n, env_config):

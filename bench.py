@@ -40,7 +40,9 @@ if cli.part == 'gpu':  # before anything loads: train.py does the work, a proces
     for tuner in ('full', 'lora'):
         out = tempfile.mkdtemp(prefix=f'gpu-{tuner}-')
         command = [sys.executable, 'train.py', '--env', 'frozen_lake', '--engine', 'hf',
-                   '--device', 'cuda', '--max_steps', '3', '--eval_size', '0',
+                   '--device', 'cuda', '--max_steps', '3', '--eval_size', '0',  # GRPO alone:
+                   '--dataset', 'data.jsonl', '--warm_start_steps', '0',
+                   '--max_completion_length', '16',
                    '--tuner_type', tuner, '--output_dir', out]
         command += ['--model', cli.model] if cli.model else []
         t0 = time.time()

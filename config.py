@@ -6,9 +6,9 @@ model loads.
 2. `parser` builds a command line from it (all of it, or the fields a program names);
    `check_args` refuses bad input in one line (UserError) before anything heavy: ranges,
    choices, plugins, the dataset.
-3. The task's own rules come from its env class: `reward_setup` (its extra reward columns and
-   weights, unless the flags say otherwise) and `held_out` (its held-out rows, else a share of
-   the dataset).
+3. The task's own rules come from its env class: `parse_args` (its `train_defaults`, for the
+   flags not given), `reward_setup` (its extra reward columns and weights, unless the flags say
+   otherwise) and `held_out` (its held-out rows, else a share of the dataset).
 """
 import argparse
 import dataclasses
@@ -125,7 +125,8 @@ class Args:
                                     '(Env.expert_reply) before GRPO')
     # ---- run ----
     max_steps: int = flag(26, 'optimizer steps')
-    eval_steps: int = flag(0, 'evaluate every N steps (0: only before and after)')
+    eval_steps: int = flag(0, 'evaluate every N steps, and after a warm start (0: only before '
+                                 'and after)')
     eval_size: int = flag(256, 'most held-out rows to evaluate on (0: no evaluation)')
     eval_temperature: float = flag(0.0, 'sampling temperature of evaluation (0: greedy)')
     eval_only: bool = flag(False, 'evaluate --model and stop')
@@ -179,7 +180,11 @@ def parser(description: str, names=None) -> argparse.ArgumentParser:
 def parse_args(argv=None) -> Args:
     """The flags given, then the env's `train_defaults` (FrozenLake's: its recipe), then Args'."""
     given = vars(parser('GRPO on GYM environments: train.py --env frozen_lake').parse_args(argv))
-    given = {k: v for k, v in given.items() if v is not None}
+    return with_train_defaults({k: v for k, v in given.items() if v is not None})
+
+
+def with_train_defaults(given: dict) -> Args:
+    """Args of the flags given; the others from --gym_env's `train_defaults`, else Args'."""
     load_plugins(given.get('external_plugins', []))  # a plugin env may bring train_defaults too
     env_cls = envs.get(given.get('gym_env', Args.gym_env), Env)
     return Args(**{**env_cls.train_defaults, **given})
@@ -268,13 +273,13 @@ def check_args(args: Args):
     if args.scale_rewards is None:
         args.scale_rewards = 'none' if args.advantage_estimator == 'rloo' else 'group'
     env_cls = envs[args.gym_env]
-    if args.warm_start_steps and env_cls.expert_reply is Env.expert_reply:
-        raise UserError(f'--warm_start_steps {args.warm_start_steps}: env {args.gym_env} has no '
-                        'expert (Env.expert_reply)')
     names, weights = reward_setup(args, env_cls)
     rows = load_dataset(args.dataset, args.gym_env)
     for name in {env_name(row, args.gym_env) for row in rows} | {args.gym_env}:
         check_tools(envs[name].tools, f'env {name}')
+        if args.warm_start_steps and envs[name].expert_reply is Env.expert_reply:
+            raise UserError(f'--warm_start_steps {args.warm_start_steps}: env {name} has no '
+                            'expert (Env.expert_reply)')
     for number, row in enumerate(rows, 1):
         check_tools(row.get('tools', []), f'{args.dataset}, row {number}')
     # the env's own held-out rows, if the env plays (a GYMScheduler)

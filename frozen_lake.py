@@ -281,10 +281,10 @@ class FrozenLakeEnv(Env):
 
     def expert_reply(self, messages=None):
         cell = self.grid, self.row, self.col
-        move = f'<action>{expert_move(self.grid, (self.row, self.col))}</action>'
+        move = f'<action>{expert_move(self.grid, cell[1:])}</action>'
         if not self.reason:
             return move
-        where = goal_hint(*cell) + ' ' if self.observation == 'position' else ''  # not shown: say it
+        where = goal_hint(*cell) + ' ' if self.observation == 'position' else ''  # (not shown)
         return f'{where}{toward_goal(*cell)} {move}'
 
     async def close(self):

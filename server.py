@@ -57,7 +57,7 @@ def parse_args(argv=None):
                         help='most trajectories one request may ask for (default: 1024)')
     given = vars(parser.parse_args(argv))
     own = {k: given.pop(k) for k in ('host', 'port', 'max_trajectories')}
-    args = config.Args(**{k: v for k, v in given.items() if v is not None})
+    args = config.with_train_defaults({k: v for k, v in given.items() if v is not None})
     config.check_game(args)
     if own['max_trajectories'] < 1:
         raise UserError(f"--max_trajectories {own['max_trajectories']}: at least 1")

@@ -593,7 +593,7 @@ def test_ex5_a_hook_that_rewrites_history_starts_a_new_segment(tokenizer):
     assert weights.item() == pytest.approx(2.0)  # --loss_type grpo: each trajectory's tokens weigh 1 in all
 
 
-def test_the_expert_plays_a_rollouts_token_record(tokenizer):
+def test_the_expert_plays_a_rollouts_token_record(tokenizer, tmp_path):
     from scheduler import ExpertScheduler
     expert = ExpertScheduler(None, 10, tokenizer=tokenizer, gym_env='frozen_lake')
     trajectories = rollout(expert, requests(range(5000, 5032)))
@@ -604,6 +604,13 @@ def test_the_expert_plays_a_rollouts_token_record(tokenizer):
         assert tokenizer.decode([i for i, m in zip(segment.token_ids, segment.loss_mask) if m]).count('</action>') == t.num_turns
     with pytest.raises(UserError, match='^--warm_start_steps 2: env echo has no expert'):
         config.check_args(config.parse_args(['--warm_start_steps', '2', '--gym_env', 'echo']))
+    (tmp_path / 'rows.jsonl').write_text(json.dumps({'messages': [], 'env_config': {'name': 'echo'}}) + '\n')
+    with pytest.raises(UserError, match='^--warm_start_steps 12: env echo has no expert'):  # named by a row
+        config.check_args(config.parse_args(['--dataset', str(tmp_path / 'rows.jsonl')]))
+    import baselines  # the expert of the default recipe: it says what lies toward G, then wins
+    reasoned = rollout(ExpertScheduler(None, 10, tokenizer=tokenizer, gym_env='frozen_lake', max_completion_length=24),
+                       requests_for(baselines.fork_rows(4, {'observation': 'around', 'reason': True}, True), 1))
+    assert all(t.rollout_infos['total_reward'] == 1.0 and ' is ' in t.request.messages[2]['content'] for t in reasoned)
 
 
 def test_sampled_ids_train_only_where_they_were_sampled(tokenizer):
@@ -1961,7 +1968,7 @@ def test_schedulers_train_end_to_end(tmp_path, tiny_model_dir, scheduler):
     flags = {'tool_scheduler': ['--use_gym_env', 'false', '--reward_funcs', 'reply_length', '--max_turns', '3'],
              'window_scheduler': ['--max_turns', '4'],  # window 2: the rewrite after turn 3 starts a segment
              'hint_scheduler': ['--env', 'frozen_lake', '--advantage_estimator', 'gigpo', '--beta', '0.01',
-                                '--warm_start_steps', '0']}[scheduler]
+                                '--warm_start_steps', '0', '--dataset', 'data.jsonl']}[scheduler]
     played = {'window_scheduler': 'window_every_turn', 'hint_scheduler': 'hint_every_turn'}.get(scheduler, scheduler)
     run_train(tmp_path, tiny_model_dir, '--multi_turn_scheduler', played, '--eval_size', '0', *flags,
               '--external_plugins', str(tmp_path / 'length_plugin.py'), str(tmp_path / 'tool.py'))
@@ -2123,7 +2130,8 @@ def test_lora_weights_reach_vllm_merged(tiny_model_dir):
 def test_train_lora_end_to_end_resume_evaluate_and_merge(tmp_path, tiny_model_dir):
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM
-    flags = ['--engine', 'vllm', '--tuner_type', 'lora', '--lora_rank', '4', '--beta', '0.1', '--env', 'frozen_lake']
+    flags = ['--engine', 'vllm', '--tuner_type', 'lora', '--lora_rank', '4', '--beta', '0.1', '--env', 'frozen_lake',
+             '--warm_start_learning_rate', '1e-3']
     out = run_train(tmp_path, tiny_model_dir, *flags, '--warm_start_steps', '2')
     assert 'trainable parameters: ' in out and '(lora)' in out
     losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith('warm start ')]

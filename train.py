@@ -182,7 +182,7 @@ def warm_start(model, optimizer, source, rows, args: Args, tokenizer, rank=0, wo
         group['lr'] = args.learning_rate
     source.wake_up()
     source.load_weights(model)  # the engine samples from the warm-started model
-    if rank == 0 and not args.max_steps:  # a warm start alone is kept as checkpoint-0
+    if rank == 0:  # kept as checkpoint-0: GRPO resumes from it, or it is the model
         save_checkpoint(model, tokenizer, optimizer, 0, args.output_dir, args.save_only_model)
     return stats
 
