@@ -113,6 +113,7 @@ class RunLog:
         self.games = []  # (step, rollout_infos of its first games) per evaluation
         if not active:
             return
+        os.makedirs(output_dir, exist_ok=True)
         self.metrics = open(os.path.join(output_dir, 'metrics.jsonl'), 'a')
         self.completions = open(os.path.join(output_dir, 'completions.jsonl'), 'a')
         if 'tensorboard' in report_to:  # `tensorboard --logdir OUTPUT_DIR/runs` shows it live

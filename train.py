@@ -272,7 +272,6 @@ def main(args: Args):
     rank, world = start_processes(args)
     quiet()
     torch.manual_seed(args.seed + rank)  # the transformers engine's sampling; vLLM takes --seed
-    os.makedirs(args.output_dir, exist_ok=True)
     tokenizer, model, ref_model, optimizer, start = load_models(args, rank)
     source = make_rollouts(args, model, tokenizer, rank)
     log = RunLog(args.output_dir, tokenizer, names + ['gym'] * args.use_gym_env, args.gym_env,
@@ -302,8 +301,7 @@ def main(args: Args):
         if args.eval_steps and step % args.eval_steps == 0 and step != args.max_steps:
             evaluation(log, source, eval_rows, env_cls, args, step, 'during')
         if rank == 0 and (step % args.save_steps == 0 or step == args.max_steps):
-            save_checkpoint(model, tokenizer, optimizer, step, args.output_dir,
-                            only_model=args.save_only_model)
+            save_checkpoint(model, tokenizer, optimizer, step, args.output_dir, args.save_only_model)
         if world > 1:
             dist.barrier()  # a resume finds the checkpoint whole on every process
     after = evaluation(log, source, eval_rows, env_cls, args, args.max_steps, 'after')
