@@ -67,13 +67,13 @@ def fork(grid, cell):
     return None
 
 
-def forks(grid, at_start: bool = False) -> list:
-    """The forks the expert's path meets (with at_start: the one at S, if any)."""
+def forks(grid) -> list:
+    """The forks the expert's path meets, each 'first' or 'second'."""
     cell, kinds = find(grid, 'S'), []
     while grid[cell[0]][cell[1]] != 'G':
         kinds.append(fork(grid, cell))
         cell = moved(grid, *cell, expert_move(grid, cell))
-    return [kind for kind in (kinds[:1] if at_start else kinds) if kind]
+    return [kind for kind in kinds if kind]
 
 
 def fork_rows(n: int, env_config: dict, at_start: bool = False, first_seed: int = 1000):
@@ -81,7 +81,8 @@ def fork_rows(n: int, env_config: dict, at_start: bool = False, first_seed: int 
     (with at_start: maps whose S is a fork, of either kind alternately), seeds from first_seed."""
     picked, seed = {'first': [], 'second': []}, first_seed
     while min(len(v) for v in picked.values()) < n // 2:
-        kinds = set(forks(generate_random_map(seed=seed), at_start))
+        grid = generate_random_map(seed=seed)
+        kinds = {fork(grid, find(grid, 'S'))} - {None} if at_start else set(forks(grid))
         if len(kinds) == 1 and len(picked[min(kinds)]) < n // 2:
             picked[min(kinds)].append(seed)
         seed += 1

@@ -34,10 +34,9 @@ SYSTEM_PROMPT = (
     'Each turn, move one cell: up, down, left or right. Reach G to win. Falling into H loses. '
     'Moving off the grid leaves you where you are.\n'
     'Reply with your move inside action tags and nothing else, for example: <action>down</action>')
-REASON_PROMPT = SYSTEM_PROMPT.replace(  # env_config reason: say what lies toward G, then move
-    'your move inside action tags and nothing else',
-    'what lies each way toward the goal, then your move inside action tags').replace(
-    '<action>down', 'Down is ice, left is a hole. <action>down')
+REASON_PROMPT = SYSTEM_PROMPT.split('Reply with')[0] + (  # env_config reason
+    'Reply with what lies each way toward the goal, then your move inside action tags, for '
+    'example: Down is ice, left is a hole. <action>down</action>')
 
 _TAG = re.compile(r'<action>\s*(\w+)\s*</action>', re.IGNORECASE)
 _WORD = re.compile(r'\b(up|down|left|right)\b', re.IGNORECASE)
