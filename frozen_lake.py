@@ -279,12 +279,12 @@ class FrozenLakeEnv(Env):
         return self.row, self.col  # the map is the group's: the cell is the state
 
     def expert_reply(self, messages=None):
-        cell = self.grid, self.row, self.col
-        move = f'<action>{expert_move(self.grid, cell[1:])}</action>'
+        at = self.grid, self.row, self.col
+        move = f'<action>{expert_move(self.grid, (self.row, self.col))}</action>'
         if not self.reason:
             return move
-        where = goal_hint(*cell) + ' ' if self.observation == 'position' else ''  # (not shown)
-        return f'{where}{toward_goal(*cell)} {move}'
+        where = goal_hint(*at) + ' ' if self.observation == 'position' else ''  # it shows none
+        return f'{where}{toward_goal(*at)} {move}'
 
     async def close(self):
         pass

@@ -174,6 +174,7 @@ def test_envs():
     for registry, before in zip((envs, reward_funcs, multi_turns, tools.tools), saved):
         registry.clear()
         registry.update(before)
+    sys.modules['env']._loaded.clear()  # the plugins it imported register again when loaded again
 
 
 # ---------------------------------------------------------------- FrozenLake

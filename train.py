@@ -127,9 +127,10 @@ def make_rollouts(args: Args, model, tokenizer, rank: int = 0):
     return source
 
 
-def save_checkpoint(model, tokenizer, optimizer, step: int, output_dir: str, only_model=False):
-    """Write checkpoint-STEP beside the old one, then flip `latest` to it with an atomic rename:
-    a kill at any moment leaves `latest` pointing at a whole checkpoint."""
+def save_checkpoint(model, tokenizer, optimizer, step: int, args: Args):
+    """Write checkpoint-STEP in --output_dir beside the old one, then flip `latest` to it with an
+    atomic rename: a kill at any moment leaves `latest` pointing at a whole checkpoint."""
+    output_dir, only_model = args.output_dir, args.save_only_model
     final = os.path.join(output_dir, f'checkpoint-{step}')
     tmp = final + '.tmp'
     shutil.rmtree(tmp, ignore_errors=True)
@@ -183,7 +184,7 @@ def warm_start(model, optimizer, source, rows, args: Args, tokenizer, rank=0, wo
     source.wake_up()
     source.load_weights(model)  # the engine samples from the warm-started model
     if rank == 0:  # kept as checkpoint-0: GRPO resumes from it, or it is the model
-        save_checkpoint(model, tokenizer, optimizer, 0, args.output_dir, args.save_only_model)
+        save_checkpoint(model, tokenizer, optimizer, 0, args)
     return stats
 
 
@@ -301,7 +302,7 @@ def main(args: Args):
         if args.eval_steps and step % args.eval_steps == 0 and step != args.max_steps:
             evaluation(log, source, eval_rows, env_cls, args, step, 'during')
         if rank == 0 and (step % args.save_steps == 0 or step == args.max_steps):
-            save_checkpoint(model, tokenizer, optimizer, step, args.output_dir, args.save_only_model)
+            save_checkpoint(model, tokenizer, optimizer, step, args)
         if world > 1:
             dist.barrier()  # a resume finds the checkpoint whole on every process
     after = evaluation(log, source, eval_rows, env_cls, args, args.max_steps, 'after')
