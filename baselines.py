@@ -22,8 +22,8 @@ import json
 import random
 import re
 
-from frozen_lake import (EVAL_SEED_BASE, MOVES, expert_move, find, generate_random_map, goal_hint,
-                         moved, shortest_path)
+from frozen_lake import (EVAL_SEED_BASE, MOVES, expert_move, find, fork_hole, generate_random_map,
+                         goal_hint, moved, shortest_path)
 
 
 def toward(grid, cell, goal):
@@ -60,11 +60,8 @@ def first_word(grid, cell) -> str:
 def fork(grid, cell):
     """'first' where both moves toward G are open and the goal line's first word leads into a
     hole, 'second' where its second word does, else None."""
-    near = toward(grid, cell, find(grid, 'G'))
-    holes = [m for m in near if m not in safe(grid, cell, near)]
-    if len(near) == 2 and len(holes) == 1:
-        return 'first' if holes[0] == first_word(grid, cell) else 'second'
-    return None
+    hole = fork_hole(grid, *cell)
+    return None if hole is None else 'first' if hole == first_word(grid, cell) else 'second'
 
 
 def forks(grid) -> list:
@@ -112,9 +109,12 @@ if __name__ == '__main__':
                         help='with --forks: maps whose start is the fork')
     parser.add_argument('--reason', action='store_true',
                         help='with --forks: rows whose replies say what lies toward G first')
+    parser.add_argument('--coin_at_forks', action='store_true',
+                        help="with --forks: rows whose expert decides each fork by a coin")
     args = parser.parse_args()
     if args.forks:
-        config = {'observation': args.observation, **({'reason': True} if args.reason else {})}
+        config = {'observation': args.observation, **({'reason': True} if args.reason else {}),
+                  **({'coin_at_forks': True} if args.coin_at_forks else {})}
         rows = fork_rows(args.forks, config, args.at_start)
         print('\n'.join(json.dumps(row) for row in rows))
         raise SystemExit

@@ -6,8 +6,9 @@ machine (docs/speed-and-scaling.md has the commands and the numbers):
                                        # recomputed activations or not, against a plain fp32 matmul
     .venv/bin/python bench.py eval     # a held-out evaluation (256 maps, greedy), vLLM's counters
     .venv/bin/python bench.py sync     # a weight push into vLLM: full, and LoRA merged
-    python bench.py gpu                # on a CUDA machine, vLLM or not: 3 steps of train.py
-                                       # --engine hf on the GPU, full and LoRA: loss, gap, times
+    python bench.py gpu                # on a CUDA machine: 3 steps of train.py --engine hf on the
+                                       # GPU, full and LoRA; with vLLM also --engine vllm in bf16
+                                       # (sleep, wake, weight push each step): loss, gap, times
 
 --model picks the policy (default: the embedded model, which plays the short games of a run's
 first steps; a checkpoint of a trained run plays the longer games of its last ones).
@@ -37,24 +38,29 @@ if cli.part == 'gpu':  # before anything loads: train.py does the work, a proces
     import subprocess
     import sys
     import tempfile
-    for tuner in ('full', 'lora'):
-        out = tempfile.mkdtemp(prefix=f'gpu-{tuner}-')
-        command = [sys.executable, 'train.py', '--env', 'frozen_lake', '--engine', 'hf',
+    import importlib.util
+    runs = [('full', 'hf', 'float32'), ('lora', 'hf', 'float32')]  # then, where vLLM is there,
+    runs += [('full', 'vllm', 'bfloat16')] if importlib.util.find_spec('vllm') else []  # each
+    for tuner, engine, dtype in runs:  # step's sleep -> update -> wake -> weight push, in bf16
+        out = tempfile.mkdtemp(prefix=f'gpu-{tuner}-{engine}-')
+        command = [sys.executable, 'train.py', '--env', 'frozen_lake', '--engine', engine,
                    '--device', 'cuda', '--max_steps', '3', '--eval_size', '0',  # GRPO alone:
                    '--dataset', 'data.jsonl', '--warm_start_steps', '0',
-                   '--max_completion_length', '16',
+                   '--max_completion_length', '16', '--torch_dtype', dtype,
                    '--tuner_type', tuner, '--output_dir', out]
         command += ['--model', cli.model] if cli.model else []
         t0 = time.time()
         run = subprocess.run(command, capture_output=True, text=True)
         if run.returncode:
             sys.exit(f'{tuner}: train.py failed: {(run.stderr or run.stdout)[-2000:]}')
+        name = f'{tuner} {engine} {dtype}'
         for m in (json.loads(line) for line in open(os.path.join(out, 'metrics.jsonl'))):
-            print(f"{tuner} step {m['step']}: loss {m['loss']:.4f} "
+            print(f"{name} step {m['step']}: loss {m['loss']:.4f} "
                   f"logprob_gap {m['logprob_gap']:.2e} "
                   f"entropy {m['entropy']:.3f} | rollout {m['rollout_s']:.1f}s "
                   f"train {m['train_s']:.1f}s sync {m['sync_s']:.2f}s")
-        print(f'{tuner}: {time.time() - t0:.0f}s in all, start-up included ({out})', flush=True)
+        print(f'{name}: {time.time() - t0:.0f}s in all, start-up included ({out})', flush=True)
+    print('' if len(runs) > 2 else 'no vLLM here: the sleep, wake and push round trip was not run')
     sys.exit(0)
 
 os.environ.setdefault('TORCH_CPP_LOG_LEVEL', 'ERROR')  # read as torch loads: quiets a NUMA line

@@ -13,12 +13,14 @@ model loads.
 import argparse
 import dataclasses
 import importlib.util
+import inspect
 import math
 import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from env import Env, UserError, env_name, envs, load_dataset, load_plugins, reward_funcs
+from env import (Env, UserError, env_name, envs, load_dataset, load_plugins, orms,
+                 reward_funcs)
 from scheduler import GYMScheduler, MultiTurnScheduler, multi_turns
 
 
@@ -84,8 +86,9 @@ class Args:
                                                        "last; not given: the env's own "
                                                        "(FrozenLakeEnv's: progress 0.5, gym 1), "
                                                        'else all 1')
-    loss_type: str = flag('bnpo', "loss normaliser: bnpo/dapo (the batch's sampled tokens), grpo "
-                                  "(per trajectory; ms-swift's default), dr_grpo (a constant)")
+    loss_type: str = flag('bnpo', "loss normaliser: bnpo (the batch's sampled tokens), dapo (the "
+                                  'same, overlong-filtered ones too), grpo (per trajectory; '
+                                  "ms-swift's default), dr_grpo (a constant)")
     advantage_estimator: str = flag('grpo', 'grpo (group mean baseline), rloo (leave-one-out '
                                             'baseline), or gigpo (grpo plus a step-level '
                                             'advantage per anchor state)')
@@ -184,10 +187,13 @@ def parse_args(argv=None) -> Args:
 
 
 def with_train_defaults(given: dict) -> Args:
-    """Args of the flags given; the others from --gym_env's `train_defaults`, else Args'."""
+    """Args of the flags given; the others from --gym_env's `train_defaults` (when the scheduler
+    plays an env), else Args'."""
     load_plugins(given.get('external_plugins', []))  # a plugin env may bring train_defaults too
     env_cls = envs.get(given.get('gym_env', Args.gym_env), Env)
-    return Args(**{**env_cls.train_defaults, **given})
+    scheduler = multi_turns.get(given.get('multi_turn_scheduler', Args.multi_turn_scheduler))
+    plays_env = isinstance(scheduler, type) and issubclass(scheduler, GYMScheduler)
+    return Args(**{**(env_cls.train_defaults if plays_env else {}), **given})
 
 
 # ------------------------------------------------------------ input checks, before anything heavy
@@ -272,10 +278,15 @@ def check_args(args: Args):
                             '(torch.cuda.is_available() is False)')
     if args.scale_rewards is None:
         args.scale_rewards = 'none' if args.advantage_estimator == 'rloo' else 'group'
-    env_cls = envs[args.gym_env]
-    names, weights = reward_setup(args, env_cls)
-    rows = load_dataset(args.dataset, args.gym_env)
-    for name in {env_name(row, args.gym_env) for row in rows} | {args.gym_env}:
+    plays_env = issubclass(multi_turns[args.multi_turn_scheduler], GYMScheduler)
+    env_cls = envs[args.gym_env] if plays_env else Env
+    rows = load_dataset(args.dataset, args.gym_env, plays_env)
+    names, weights = reward_setup(args, env_cls, rows, args.dataset)
+    if args.warm_start_steps and not plays_env:
+        raise UserError(f'--warm_start_steps {args.warm_start_steps}: the warm start plays the '
+                        f"env's expert, and --multi_turn_scheduler {args.multi_turn_scheduler} "
+                        'plays no env')
+    for name in {env_name(row, args.gym_env) for row in rows} | {args.gym_env} if plays_env else ():
         check_tools(envs[name].tools, f'env {name}')
         if args.warm_start_steps and envs[name].expert_reply is Env.expert_reply:
             raise UserError(f'--warm_start_steps {args.warm_start_steps}: env {name} has no '
@@ -283,8 +294,7 @@ def check_args(args: Args):
     for number, row in enumerate(rows, 1):
         check_tools(row.get('tools', []), f'{args.dataset}, row {number}')
     # the env's own held-out rows, if the env plays (a GYMScheduler)
-    own_rows = issubclass(multi_turns[args.multi_turn_scheduler], GYMScheduler)
-    rows, eval_rows = held_out(rows, env_cls if own_rows else None, args.eval_size,
+    rows, eval_rows = held_out(rows, env_cls if plays_env else None, args.eval_size,
                                args.split_dataset_ratio, args.dataset)
     if args.rows_per_step > len(rows):
         raise UserError(f'--rows_per_step {args.rows_per_step}: there are {len(rows)} training '
@@ -306,15 +316,20 @@ def check_tools(names, where: str):
                             f'{str(e).splitlines()[0]})') from None
 
 
-def reward_setup(args: Args, env_cls):
+def reward_setup(args: Args, env_cls, rows, dataset: str):
     """The reward columns (--reward_funcs, then the gym reward) and their weights. With neither flag
-    given, the env's own choice (`default_reward_funcs`): a plugin env gets no FrozenLake reward."""
+    given, the env's own choice (`default_reward_funcs`): a plugin env gets no FrozenLake reward.
+    A name in `orms` (ms-swift's reward classes) is made once, with args, as ms-swift does, and
+    must find every column its __call__ names in each row."""
     own = args.reward_funcs is None
     names = list(env_cls.default_reward_funcs) if own else args.reward_funcs
     for name in names:
+        if name in orms and name not in reward_funcs:
+            reward_funcs[name] = orms[name](args=args)
+            check_columns(name, reward_funcs[name], rows, dataset)
         if name not in reward_funcs:
             raise UserError(f'--reward_funcs {name}: unknown; registered: '
-                            f'{", ".join(sorted(reward_funcs)) or "none"}')
+                            f'{", ".join(sorted({*reward_funcs, *orms})) or "none"}')
     columns = len(names) + args.use_gym_env
     if columns == 0:
         raise UserError('no reward: --use_gym_env is false and there are no --reward_funcs')
@@ -326,6 +341,18 @@ def reward_setup(args: Args, env_cls):
         raise UserError(f'--reward_weights: got {len(weights)}, need {columns} '
                         f'({", ".join(names + ["gym"] * args.use_gym_env)})')
     return names, weights
+
+
+def check_columns(name: str, orm, rows, dataset: str):
+    """Refuse, in one line, a dataset row without a column the ORM's __call__ needs."""
+    given = {'completions', 'messages', 'rollout_infos'}  # what grpo.orm_call always passes
+    needed = [p.name for p in inspect.signature(orm.__call__).parameters.values()
+              if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for number, row in enumerate(rows, 1):
+        missing = [column for column in needed if column not in given and column not in row]
+        if missing:
+            raise UserError(f'--reward_funcs {name}: {type(orm).__name__}.__call__ needs the column '
+                            f"'{missing[0]}', which {dataset}:{number} does not have")
 
 
 def held_out(rows, env_cls, eval_size: int, ratio: float, dataset: str):

@@ -71,17 +71,27 @@ class HFEngine(Engine):
 
     @torch.no_grad()
     def generate(self, prompts, max_tokens, temperature):
+        from transformers import GenerationConfig
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         width = max(map(len, prompts))
         device = self.model.device
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # (B, W)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):  # as the trainer
-            out = self.model.generate(  # left-padded prompts
-                input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
-                do_sample=temperature > 0, temperature=temperature or None, top_k=0, top_p=1.0,
-                pad_token_id=pad, eos_token_id=eos, output_logits=True,
-                return_dict_in_generate=True)
+        # Only the temperature may shape what is sampled: the model's own generation_config (a
+        # repetition penalty, top-k, top-p) would change the samples but not out.logits, and the
+        # trainer would score another policy than the one that sampled (TRL passes its own too).
+        hf = self.model.get_base_model() if hasattr(self.model, 'get_base_model') else self.model
+        saved = hf.generation_config
+        hf.generation_config = GenerationConfig()
+        try:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.bf16):
+                out = self.model.generate(  # left-padded prompts
+                    input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens,
+                    do_sample=temperature > 0, temperature=temperature or None, top_k=0,
+                    top_p=1.0, pad_token_id=pad, eos_token_id=eos, output_logits=True,
+                    return_dict_in_generate=True)
+        finally:
+            hf.generation_config = saved
         new = out.sequences[:, width:]  # (B, T)
         logits = torch.stack(out.logits, dim=1).float() / (temperature or 1.0)  # (B, T, V)
         logprobs = logits.log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, T)
@@ -117,6 +127,7 @@ class VLLMEngine(Engine):
         self.llm = LLM(model=path, dtype=dtype, seed=seed, max_model_len=max_model_len,
                        enable_prefix_caching=True, enforce_eager=not self.cuda,
                        logprobs_mode='processed_logprobs', use_tqdm_on_load=False,
+                       generation_config='vllm',  # not the model's defaults: only ours apply
                        **{**memory, **options})
 
     def generate(self, prompts, max_tokens, temperature):
@@ -312,17 +323,27 @@ class RolloutClient:
                 for t in self._call('POST', '/rollout', body.encode())['trajectories']]
 
     def load_weights(self, model):
+        """Push the policy's weights to the server: under torchrun from rank 0 only (every process
+        holds the same weights), the others waiting until they are there."""
+        import torch.distributed as dist
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            self._call('POST', '/update_weights', self._encode(model))
+        if dist.is_initialized():
+            dist.barrier()  # no process rolls out on the old weights
+
+    @staticmethod
+    def _encode(model) -> bytes:
+        """The weights in safetensors format. Tied embeddings share memory, which safetensors
+        refuses: send a copy. Both names go, as in colocate mode: vLLM's CPU backend keeps lm_head
+        as its own tensor."""
         from safetensors.torch import save
         seen, weights = set(), {}
         with policy_weights(model) as pairs:
             for name, tensor in pairs:
-                # Tied embeddings share memory, which safetensors refuses: send a copy. Send both
-                # names, as colocate mode does: vLLM's CPU backend keeps lm_head as its own tensor.
                 cpu = tensor.detach().cpu()
                 weights[name] = cpu.clone() if tensor.data_ptr() in seen else cpu.contiguous()
                 seen.add(tensor.data_ptr())
-            body = save(weights)
-        self._call('POST', '/update_weights', body)
+            return save(weights)
 
     def sleep(self):
         pass

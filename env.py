@@ -7,7 +7,8 @@ Implements "Gym 接口", "3. 注册" and "4. 准备数据集" of ms-swift's GYM-
    `reset(config) -> (observation, info, system_message)`,
    `step(messages) -> (next_observation, reward, done, info)` and `close()`.
 2. Its file registers it at import time: `envs['name'] = MyEnv`; extra reward columns go into
-   `reward_funcs['name'] = fn` (fn(messages) -> float, of the whole conversation), beside it;
+   `reward_funcs['name'] = fn` (fn(messages) -> float, of the whole conversation), beside it, or,
+   written for ms-swift, into `orms['name'] = MyORM` (an `ORM` class, called once a batch);
    `fn.per_turn = True` says its value on the conversation so far depends only on where the game
    is, so that GiGPO may credit each reply with its change (`grpo.turn_rewards`).
 3. `--external_plugins my_env.py` imports that file by path, so the registrations take effect.
@@ -104,8 +105,30 @@ class Env(ABC):
         """Release resources. Called exactly once per env, however its trajectory ended."""
 
 
+class ORM:
+    """ms-swift's reward class (`from swift.rewards import ORM, orms`), registered in `orms`:
+    called once for a batch, `__call__(completions, **kwargs) -> List[float]`. completions: each
+    trajectory's last reply; kwargs: every dataset column (the row's, a list with one value per
+    trajectory; `solution`, `target`, `env_config`, ...), `messages` (each whole conversation)
+    and `rollout_infos`. `args` is train.py's Args."""
+
+    def __init__(self, args=None, **kwargs):
+        self.args = args
+
+    def __call__(self, completions, **kwargs) -> List[float]:
+        raise NotImplementedError
+
+
+class AsyncORM(ORM):
+    """The same with `async def __call__`, for rewards that wait on I/O: it is awaited."""
+
+    async def __call__(self, completions, **kwargs) -> List[float]:
+        raise NotImplementedError
+
+
 envs: Dict[str, Type[Env]] = {}
 reward_funcs: Dict[str, Callable[[Messages], float]] = {}  # --reward_funcs names -> fn(messages)
+orms: Dict[str, Type[ORM]] = {}  # --reward_funcs names -> an ORM class (ms-swift's protocol)
 
 
 _loaded = set()  # the plugin files imported so far
@@ -135,8 +158,9 @@ def env_name(row: Dict[str, Any], gym_env: str = None) -> str:
     return (row.get('env_config') or {}).get('name') or gym_env
 
 
-def load_dataset(path: str, gym_env: str = None) -> List[Dict[str, Any]]:
-    """Read a JSONL dataset; every row must have `messages` and an `env_config` of a known env."""
+def load_dataset(path: str, gym_env: str = None, plays_env: bool = True) -> List[Dict[str, Any]]:
+    """Read a JSONL dataset; every row must have `messages` and, where an env plays (plays_env: a
+    GYMScheduler), an `env_config` of a known env. Other columns stay, for the rewards."""
     rows = []
     try:
         lines = open(path, encoding='utf-8').read().splitlines()
@@ -150,12 +174,12 @@ def load_dataset(path: str, gym_env: str = None) -> List[Dict[str, Any]]:
             row = json.loads(line)
         except json.JSONDecodeError as e:
             raise UserError(f'{where}: malformed JSON ({e.msg})') from None
-        if not isinstance(row, dict) or not isinstance(row.get('env_config'), dict):
+        if not isinstance(row, dict) or plays_env and not isinstance(row.get('env_config'), dict):
             raise UserError(f'{where}: the row has no env_config object')
         if not isinstance(row.get('messages', []), list):
             raise UserError(f'{where}: messages must be a list')
         name = env_name(row, gym_env)
-        if name not in envs:
+        if plays_env and name not in envs:
             got = (f'env {name!r} is not registered' if name
                    else 'no env: set --gym_env or env_config.name')
             raise UserError(f'{where}: {got}; registered: {", ".join(sorted(envs)) or "none"}')

@@ -91,6 +91,14 @@ def expert_move(grid: List[str], cell) -> str:
             return move
 
 
+def fork_hole(grid: List[str], row: int, col: int) -> Optional[str]:
+    """At a fork, the goal line's way that is a hole; else None. A fork: the goal line names two
+    ways and exactly one of them leads into a hole."""
+    words = _WORD.findall(goal_hint(grid, row, col))
+    holes = [m for m in words if (lambda r, c: grid[r][c])(*moved(grid, row, col, m)) == 'H']
+    return holes[0] if len(words) == 2 and len(holes) == 1 else None
+
+
 def generate_random_map(size: int = 4, p: float = 0.8, seed: Optional[int] = None) -> List[str]:
     """A solvable size x size map as a list of strings over S/G/H/F; p = P(safe ice)."""
     rng = random.Random(seed)
@@ -208,7 +216,9 @@ class FrozenLakeEnv(Env):
     def draw(cls, ax, rollout_infos):
         """The map and the path walked from S (invalid replies and bumps into the edge stay put)."""
         from matplotlib.patches import Rectangle  # here: the env itself needs no matplotlib
-        grid = rollout_infos['reset_info']['grid']
+        grid = rollout_infos.get('reset_info', {}).get('grid')
+        if grid is None:  # its env raised before a map was made
+            return ax.set_title(rollout_infos.get('stop_reason'), fontsize=9)
         colours = {'S': '#cfe8fc', 'F': '#cfe8fc', 'H': '#1f3b57', 'G': '#ffd54f'}
         for r, line in enumerate(grid):
             for c, cell in enumerate(line):
@@ -236,6 +246,7 @@ class FrozenLakeEnv(Env):
         self.seed = int(seed) if seed is not None else None
         self.reason = bool(env_config.get('reason', False))
         self.observation = env_config.get('observation', 'goal')
+        self.coin_at_forks = bool(env_config.get('coin_at_forks', False))
         if self.observation not in ('goal', 'around', 'position'):
             raise ValueError(f'env_config observation {self.observation!r}: choose goal, around or '
                              'position')
@@ -253,6 +264,7 @@ class FrozenLakeEnv(Env):
     async def reset(self, config: RolloutInferRequest):
         self.grid = generate_random_map(self.size, self.p, self.seed)
         self.row, self.col = find(self.grid, 'S')
+        self.coin = random.Random(self.seed)  # the expert's coin (coin_at_forks): the map's own
         system = REASON_PROMPT if self.reason else SYSTEM_PROMPT
         return self.board(), {'seed': self.seed, 'grid': self.grid}, system
 
@@ -280,7 +292,11 @@ class FrozenLakeEnv(Env):
 
     def expert_reply(self, messages=None):
         at = self.grid, self.row, self.col
-        move = f'<action>{expert_move(self.grid, (self.row, self.col))}</action>'
+        move = expert_move(self.grid, (self.row, self.col))
+        hole = fork_hole(*at)
+        if self.coin_at_forks and hole and self.coin.random() < 0.5:
+            move = hole  # a fork decided by a coin: the supervised phase leaves it to the reward
+        move = f'<action>{move}</action>'
         if not self.reason:
             return move
         where = goal_hint(*at) + ' ' if self.observation == 'position' else ''  # it shows none

@@ -12,13 +12,15 @@ are the README's "The algorithm", steps 1-6, in that order:
 `score` does 1, 2 and 6 for a step. The trajectories become model inputs in batching.py.
 Left out: entropy bonuses, REINFORCE++, reward models.
 """
+import asyncio
+import inspect
 import json
 from dataclasses import dataclass
 from typing import List
 
 import torch
 
-from env import reward_funcs
+from env import ORM, reward_funcs
 
 OVERLONG = ('length', 'context_limit')  # stop reasons of a trajectory cut by a length limit
 
@@ -32,13 +34,34 @@ def valid_mask(trajectories) -> torch.Tensor:
 
 def rewards(trajectories, funcs: List[str], weights: List[float], use_gym_env: bool):
     """((N, K) reward columns, (N,) their weighted sum): the --reward_funcs columns, then the gym
-    `total_reward` last. Each function reads the whole conversation (`Trajectory.messages`); a
-    trajectory whose env raised scores 0 (it counts in no group; its game may not have begun)."""
-    rows = [[reward_funcs[name](t.messages) if t.stop_reason != 'error' else 0.0 for name in funcs]
-            + ([float(t.rollout_infos.get('total_reward', 0.0))] if use_gym_env else [])
-            for t in trajectories]
-    columns = torch.tensor(rows, dtype=torch.float32)  # (N, K)
+    `total_reward` last. A function reads each whole conversation (`Trajectory.messages`); an ORM
+    (ms-swift's protocol, env.ORM) scores the batch at once. A trajectory whose env raised scores
+    0 (it counts in no group; its game may not have begun)."""
+    ok = [i for i, t in enumerate(trajectories) if t.stop_reason != 'error']
+    columns = torch.zeros(len(trajectories), len(funcs) + use_gym_env)  # (N, K)
+    for k, name in enumerate(funcs):
+        fn = reward_funcs[name]
+        scored = [trajectories[i] for i in ok]
+        values = [fn(t.messages) for t in scored] if not isinstance(fn, ORM) else (
+            orm_call(fn, scored) if scored else [])
+        columns[ok, k] = torch.tensor([float(v) for v in values])
+    if use_gym_env:
+        columns[:, -1] = torch.tensor([float(t.rollout_infos.get('total_reward', 0.0))
+                                       for t in trajectories])
     return columns, columns @ torch.tensor(weights)
+
+
+def orm_call(orm, trajectories) -> List[float]:
+    """An ORM's rewards, called as ms-swift calls it: the last replies, then each dataset column,
+    the conversations and the env's infos by keyword, a list each."""
+    rows = [t.request.data_dict for t in trajectories]
+    keys = dict.fromkeys(key for row in rows for key in row)  # every column, in order
+    columns = {key: [row.get(key) for row in rows] for key in keys}
+    completions = [next((m['content'] for m in t.messages[::-1] if m['role'] == 'assistant'), '')
+                   for t in trajectories]
+    values = orm(completions, **columns, messages=[t.messages for t in trajectories],
+                 rollout_infos=[t.rollout_infos for t in trajectories])
+    return asyncio.run(values) if inspect.isawaitable(values) else values
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, valid: torch.Tensor = None,
@@ -81,14 +104,17 @@ def with_spread(rewards: torch.Tensor, group_size: int, valid: torch.Tensor) -> 
     return spread.repeat_interleave(group_size) & valid
 
 
-def turn_rewards(trajectories, funcs: List[str], weights: List[float], use_gym_env: bool):
+def turn_rewards(trajectories, funcs: List[str], weights: List[float], use_gym_env: bool,
+                 columns: torch.Tensor = None):
     """Each trajectory's weighted reward split into its turns, for GiGPO: turn k earns the env's
     step reward and, for each --reward_funcs column whose function is marked `per_turn` (its value
     is a potential of where the game is, as FrozenLake's `progress`), how much that value changed
-    with the k-th reply (from 0 before the first); any other column counts at the last turn. All
-    weighted as in `rewards`, so that over a game they add up to its weighted reward."""
+    with the k-th reply (from 0 before the first); any other column (`columns`, as `rewards` gives
+    them) counts at the last turn. All weighted as in `rewards`, so that over a game they add up
+    to its weighted reward."""
+    columns = rewards(trajectories, funcs, weights, use_gym_env)[0] if columns is None else columns
     out = []
-    for t in trajectories:
+    for i, t in enumerate(trajectories):
         ends = [k + 1 for k, m in enumerate(t.messages) if m['role'] == 'assistant']
         gym = t.rollout_infos.get('step_rewards', [])
         turns = [weights[-1] * r if use_gym_env else 0.0 for r in gym]
@@ -96,14 +122,14 @@ def turn_rewards(trajectories, funcs: List[str], weights: List[float], use_gym_e
         out.append(turns)
         if not turns or t.stop_reason == 'error':
             continue
-        for w, name in zip(weights, funcs):
+        for k, (w, name) in enumerate(zip(weights, funcs)):
             fn = reward_funcs[name]
             if getattr(fn, 'per_turn', False):
                 values = [0.0] + [fn(t.messages[:end]) for end in ends[:-1]] + [fn(t.messages)]
-                for k in range(len(ends)):
-                    turns[k] += w * (values[k + 1] - values[k])
+                for turn in range(len(ends)):
+                    turns[turn] += w * (values[turn + 1] - values[turn])
             else:
-                turns[-1] += w * fn(t.messages)
+                turns[-1] += w * columns[i, k].item()
     return out
 
 
@@ -169,7 +195,7 @@ def score(trajectories, names, weights, *, use_gym_env: bool, group_size: int, b
     advantages = advantages * with_spread(reward, group_size, ok)
     per_turn = advantages.unsqueeze(1).expand(-1, max([t.num_turns for t in trajectories] + [1]))
     if estimator == 'gigpo':  # (N, T)
-        shaped = turn_rewards(trajectories, names, weights, use_gym_env)
+        shaped = turn_rewards(trajectories, names, weights, use_gym_env, columns)
         per_turn = per_turn + step_advantage_w * step_advantages(trajectories, group_size, gamma,
                                                                  scale, step_rewards=shaped)
     cut = torch.tensor([overlong_filter and t.stop_reason in OVERLONG for t in trajectories])
@@ -232,7 +258,7 @@ def aggregate(values, loss_mask, trajectory_tokens, loss_type: str, denominator)
     trajectory_tokens: (B, 1) the sampled tokens of each row's whole trajectory; denominator:
     `Counts.denominator`, the whole batch's count, so that the sums of micro-batches and of
     processes add up to the batch's loss.
-    - bnpo, dapo: sum_t L_t / the batch's sampled tokens;
+    - bnpo, dapo: sum_t L_t / the batch's sampled tokens (dapo's: --overlong_filter's too);
     - grpo: sum over trajectories of (sum_t L_t / that trajectory's tokens) / its trajectories;
     - dr_grpo: sum_t L_t / (trajectories x max_turns x max_completion_length)."""
     # BEGIN SOLUTION exercise 3: the clipped surrogate loss with the k3 KL
@@ -247,14 +273,14 @@ def aggregate(values, loss_mask, trajectory_tokens, loss_type: str, denominator)
 class Counts:
     """What the normalisers count (README step 5), ms-swift's definitions: a trajectory with A = 0
     counts whether or not the update computes it. update.train_step adds up every process's."""
-    tokens: float  # sampled tokens of the trajectories in the loss (bnpo, dapo)
+    tokens: float  # sampled tokens of the trajectories in the loss (bnpo)
     trajectories: float  # valid trajectories, those --overlong_filter leaves out included (grpo)
-    sampled: float  # sampled tokens of every valid trajectory (the entropy and logprob-gap means)
+    sampled: float  # sampled tokens of every valid trajectory (dapo; the entropy and gap means)
     trained: float  # trajectories the update computes (none anywhere: no optimizer step)
 
     def denominator(self, loss_type: str, budget: float) -> float:
         """budget: the batch's trajectories x max_turns x max_completion_length (dr_grpo's)."""
-        counts = {'bnpo': self.tokens, 'dapo': self.tokens, 'grpo': self.trajectories,
+        counts = {'bnpo': self.tokens, 'dapo': self.sampled, 'grpo': self.trajectories,
                   'dr_grpo': budget}
         return max(counts[loss_type], 1.0)
 
@@ -269,13 +295,14 @@ def count(trajectories, scores: Scores) -> Counts:
 
 
 def rollout_is_weights(old_logprobs, engine_logprobs, loss_mask, mode: str, threshold: float):
-    """(B, T) detached weights pi_trainer / pi_engine of the sampled tokens (token modes) or of
-    each row (sequence modes: the geometric mean), truncated at or masked above threshold; and
-    (B, T) bool, the sampled tokens whose weight was truncated or masked."""
+    """(B, T) detached weights pi_trainer / pi_engine of the sampled tokens, as ms-swift computes
+    them: token_truncate caps each token's at threshold, token_mask zeroes those above it;
+    sequence_truncate gives each row the geometric mean of its tokens' weights, capped;
+    sequence_mask keeps the token weights of the rows whose geometric mean is within threshold
+    and zeroes the others. And (B, T) bool: the sampled tokens whose weight was cut."""
     mask = loss_mask.float()
-    log_w = old_logprobs - engine_logprobs  # (B, T)
-    log_w = row_mean(log_w, mask).expand_as(log_w) if mode.startswith('sequence') else log_w * mask
-    w = torch.exp(log_w).detach()
-    over = (w > threshold) & loss_mask.bool()
-    w = w.clamp(max=threshold) if mode.endswith('truncate') else w * ~over
-    return w, over
+    log_w = ((old_logprobs - engine_logprobs) * mask).detach()  # (B, T)
+    w = torch.exp(log_w)
+    judged = torch.exp(row_mean(log_w, mask)).expand_as(w) if mode.startswith('sequence') else w
+    over = (judged > threshold) & loss_mask.bool()
+    return (judged.clamp(max=threshold) if mode.endswith('truncate') else w * ~over), over

@@ -8,7 +8,8 @@
    there), with its reward columns, weighted reward and advantage.
 5. Two decoded trajectories per evaluation, the model's own tokens in [[...]].
 6. curve.png at the end: training reward per step, held-out success (or reward) with its interval;
-   agent.png, when the env can draw a game (`Env.draw`): the first held-out games, before and after.
+   agent.png, when the env can draw a game (`Env.draw`): the first held-out games, before GRPO
+   and after.
 7. With --report_to tensorboard (or wandb, offline), every number above and the decoded examples
    go to the dashboard too. Under torchrun, rank 0 writes the records of every process.
 """
@@ -229,12 +230,15 @@ class RunLog:
             key, spec = ('success', '.1%') if 'success' in after else ('reward', '.3f')
             print(f'held-out {key}: before {before[key]:{spec}} -> after {after[key]:{spec}}')
         plot(self.output_dir)
-        if self.games and env_cls.draw:
-            draw_games(self.output_dir, [self.games[0], self.games[-1]], env_cls)
+        if self.games and env_cls.draw:  # before GRPO (after a warm start, if any) and after it
+            before = [games for games in self.games if games[0] <= 0] or self.games[:1]
+            draw_games(self.output_dir, [before[-1], self.games[-1]], env_cls)
 
 
 def plot(output_dir: str):
-    """curve.png: training gym reward per step and held-out success (or reward) against steps."""
+    """curve.png: held-out success (or reward) with its interval at each evaluation, and the
+    training gym reward of each GRPO step; a warm start's supervised steps are the shaded steps up
+    to 0 (its evaluations: the untrained model at -warm_start_steps, the supervised one at 0)."""
     import matplotlib
     matplotlib.use('Agg')
     import matplotlib.pyplot as plt
@@ -243,8 +247,11 @@ def plot(output_dir: str):
     evals = [r for r in records if 'eval/reward' in r]
     key = 'reward/gym' if any('reward/gym' in r for r in steps) else 'reward'
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r['step'] for r in steps], [r[key] for r in steps], alpha=0.5,
-            label=f'training {key} (sampled)')
+    first = min([r['step'] for r in evals] + [0])
+    if first < 0:
+        ax.axvspan(first, 0, color='grey', alpha=0.15, label=f'supervised phase ({-first} steps)')
+    ax.plot([r['step'] for r in steps], [r[key] for r in steps], alpha=0.5, marker='.',
+            label=f'GRPO: training {key} (sampled)')
     if evals and 'eval/success' in evals[-1]:
         ax.errorbar([r['step'] for r in evals], [r['eval/success'] for r in evals], marker='o',
                     capsize=3, label='held-out success (95% CI)',
@@ -253,7 +260,7 @@ def plot(output_dir: str):
     elif evals:
         ax.plot([r['step'] for r in evals], [r['eval/reward'] for r in evals], marker='o',
                 label='held-out reward')
-    ax.set(xlabel='step', title=os.path.basename(os.path.abspath(output_dir)))
+    ax.set(xlabel='step (GRPO from 1)', title=os.path.basename(os.path.abspath(output_dir)))
     ax.legend()
     fig.savefig(os.path.join(output_dir, 'curve.png'), dpi=120, bbox_inches='tight')
     plt.close(fig)

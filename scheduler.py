@@ -220,6 +220,13 @@ class GYMScheduler(MultiTurnScheduler):
         errors = await asyncio.gather(*[self._reset(req) for req in requests])  # resets overlap
         return {req.uuid: error for req, error in zip(requests, errors) if error}
 
+    async def _start(self, requests):
+        trajectories = await super()._start(requests)
+        for t in trajectories:  # the env's infos from the start: a game may end before a turn does
+            if t.stop_reason != 'error':
+                t.rollout_infos.update(self._infos[t.request.uuid])
+        return trajectories
+
     async def _reset(self, req) -> Optional[str]:
         env_config = req.data_dict.get('env_config') or {}
         self._infos[req.uuid] = {'total_reward': 0.0, 'step_rewards': [], 'step_infos': [],

@@ -3,8 +3,8 @@
 The document's "Server 模式" (`swift rollout`; the trainer with `--vllm_mode server`):
     python server.py --gym_env frozen_lake --max_turns 10                        # terminal 1
     python train.py --env frozen_lake --vllm_mode server --vllm_server_pass_dataset true  # 2
-1. GET /health -> {fingerprint, boot, max_turns, gym_env}: the trainer refuses another
-   architecture, tokenizer or --max_turns, and notices a restart (a new boot id).
+1. GET /health -> {fingerprint, boot, max_turns, gym_env, weight_pushes}: the trainer refuses
+   another architecture, tokenizer or --max_turns, and notices a restart (a new boot id).
 2. POST /rollout {rows, num_generations, temperature, max_completion_length} -> {trajectories}:
    each played by the scheduler's run(), all concurrently, and returned whole (ids, masks,
    logprobs).
@@ -101,6 +101,7 @@ def build_app(scheduler, engine, identity: dict, max_trajectories: int, max_weig
     def push(body: bytes):
         with engine_lock:
             engine.load_weights(load_safetensors(body).items())
+            identity['weight_pushes'] += 1
 
     @app.get('/health')
     async def health():
@@ -157,7 +158,7 @@ def serve(args):
                                gym_env=args.gym_env, max_model_len=args.vllm_max_model_len,
                                tool_timeout=args.tool_timeout)
     identity = {'fingerprint': fingerprint(tokenizer, config), 'boot': uuid.uuid4().hex,
-                'max_turns': args.max_turns, 'gym_env': args.gym_env}
+                'max_turns': args.max_turns, 'gym_env': args.gym_env, 'weight_pushes': 0}
     app = build_app(scheduler, engine, identity, args.max_trajectories, weight_bytes + 2**20)
     print(f'rollout server on http://{args.host}:{args.port} ({path})', flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level='warning')

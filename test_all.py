@@ -35,7 +35,7 @@ import config
 import frozen_lake
 import grpo
 from engines import Colocated, Completion, Engine
-from env import Env, RolloutInferRequest, UserError, envs, load_dataset, load_plugins, reward_funcs
+from env import Env, RolloutInferRequest, UserError, envs, load_dataset, load_plugins, orms, reward_funcs
 from frozen_lake import MOVES, generate_random_map, parse_action, shortest_path
 import logs
 import tools
@@ -168,10 +168,10 @@ class SlowEnv(Env):
 @pytest.fixture(autouse=True)
 def test_envs():
     """Registers the test envs for one test, and leaves the registries as they were after it."""
-    saved = dict(envs), dict(reward_funcs), dict(multi_turns), dict(tools.tools)
+    saved = dict(envs), dict(reward_funcs), dict(multi_turns), dict(tools.tools), dict(orms)
     envs.update(counting_lake=CountingEnv, echo=EchoEnv, broken_lake=BrokenEnv, slow=SlowEnv)
     yield
-    for registry, before in zip((envs, reward_funcs, multi_turns, tools.tools), saved):
+    for registry, before in zip((envs, reward_funcs, multi_turns, tools.tools, orms), saved):
         registry.clear()
         registry.update(before)
     sys.modules['env']._loaded.clear()  # the plugins it imported register again when loaded again
@@ -759,6 +759,21 @@ def test_context_limit_ends_cleanly(tokenizer):
     assert t.rollout_infos['stop_reason'] == 'length' and t.num_turns == 1
 
 
+
+def test_a_game_that_ends_before_its_env_steps_keeps_the_envs_infos(tokenizer, tmp_path):
+    """Cut by the context before its first reply, or its only reply a tool call in the last turn:
+    on_turn_end never reported, yet rollout_infos says what the env set up (agent.png draws it)."""
+    (cut,) = rollout(gym(tokenizer, lambda text: 'nothing', max_model_len=100, max_completion_length=32), requests([0]))
+    rows = [{'messages': [], 'env_config': {'seed': 0, 'name': 'arithmetic'}}]
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 1"}}</tool_call>'
+    (last,) = rollout(GYMScheduler(ScriptedEngine(tokenizer, lambda text: call), 1, tokenizer=tokenizer,
+                                   max_completion_length=64), requests_for(rows, 1))
+    assert (cut.stop_reason, cut.num_turns, last.stop_reason, last.num_turns) == ('context_limit', 0, 'max_turns', 1)
+    for t in (cut, last):
+        assert {'reset_info', 'states', 'total_reward', 'step_rewards'} <= set(t.rollout_infos), t.rollout_infos
+    assert logs.tool_use([last]) == {'tools/call_frequency': 0.0, 'tools/failure_frequency': 0.0}
+    logs.draw_games(str(tmp_path), [(0, [cut.rollout_infos])], frozen_lake.FrozenLakeEnv)  # a map, no path
+
 def test_invalid_reply_keeps_the_goal_line():
     env = frozen_lake.FrozenLakeEnv({'seed': 0})
     first, _, _ = asyncio.run(env.reset(None))
@@ -1013,6 +1028,72 @@ def test_each_task_brings_its_own_rewards_and_held_out_rows(tmp_path):
     assert (tmp_path / 'agent.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
 
 
+# ---------------------------------------------------------------- ms-swift's reward classes and plain datasets
+
+ORM_PLUGIN = '''
+import asyncio
+from env import AsyncORM, ORM, orms  # in ms-swift: from swift.rewards import AsyncORM, ORM, orms
+
+
+class AnswerORM(ORM):
+    """As ms-swift's CountdownORM is written: the batch's completions and the dataset's columns."""
+    def __call__(self, completions, solution, **kwargs):
+        assert len(kwargs['messages']) == len(completions) == len(kwargs['rollout_infos'])
+        return [float(c.strip().endswith(s)) for c, s in zip(completions, solution)]
+
+
+class ShortORM(AsyncORM):
+    async def __call__(self, completions, **kwargs):
+        await asyncio.sleep(0)
+        return [1.0 if len(c) < 10 else 0.0 for c in completions]
+
+
+orms['answer'] = AnswerORM
+orms['short'] = ShortORM
+'''
+
+
+def plain_rows(tmp_path, rows):
+    (tmp_path / 'orm.py').write_text(ORM_PLUGIN)
+    (tmp_path / 'react.py').write_text(REACT_PLUGIN)
+    (tmp_path / 'plain.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in rows))
+    return ['--external_plugins', str(tmp_path / 'orm.py'), str(tmp_path / 'react.py'),
+            '--dataset', str(tmp_path / 'plain.jsonl'), '--multi_turn_scheduler', 'react_calculator']
+
+
+QUESTIONS = [{'messages': [{'role': 'user', 'content': f'What is {k} + 3?'}], 'solution': str(k + 3)}
+             for k in range(10)]
+
+
+def test_an_ms_swift_reward_class_reads_the_batch_and_the_datasets_columns(tmp_path):
+    flags = plain_rows(tmp_path, QUESTIONS)
+    args = config.parse_args(flags + ['--use_gym_env', 'false', '--reward_funcs', 'answer', 'short'])
+    rows, eval_rows, env_cls, names, weights = config.check_args(args)  # no env_config: no env plays
+    assert (len(rows), len(eval_rows), names, weights) == (9, 1, ['answer', 'short'], [1.0, 1.0])
+    games = [Trajectory(RolloutInferRequest(r['messages'], {'solution': r['solution']}),
+                        messages=r['messages'] + [{'role': 'assistant', 'content': reply}])
+             for r, reply in zip(rows[:3], ['It is 3', 'The answer is 4', 'no'])]
+    games.append(record(stop='error'))  # an env that raised scores 0, and the reward never sees it
+    columns, total = grpo.rewards(games, names, weights, use_gym_env=False)
+    assert columns.tolist() == [[1.0, 1.0], [1.0, 0.0], [0.0, 1.0], [0.0, 0.0]] and total.tolist() == [2, 1, 1, 0]
+
+
+def test_a_reward_class_needs_its_columns_in_every_row(tmp_path):
+    rows = QUESTIONS[:2] + [{'messages': [{'role': 'user', 'content': 'Hi'}]}]
+    args = config.parse_args(plain_rows(tmp_path, rows) + ['--use_gym_env', 'false', '--reward_funcs', 'answer'])
+    with pytest.raises(UserError, match=r"--reward_funcs answer: AnswerORM.__call__ needs the column 'solution', "
+                                        r'which .*plain.jsonl:3 does not have$'):
+        config.check_args(args)
+
+
+def test_rows_without_env_config_only_where_no_env_plays(tmp_path):
+    flags = plain_rows(tmp_path, QUESTIONS)
+    with pytest.raises(UserError, match='plain.jsonl:1: the row has no env_config object'):
+        config.check_args(config.parse_args(flags[:-2] + ['--use_gym_env', 'false', '--reward_funcs', 'short']))
+    with pytest.raises(UserError, match="--warm_start_steps 2: the warm start plays the env's expert"):
+        config.check_args(config.parse_args(flags + ['--reward_funcs', 'short', '--warm_start_steps', '2']))
+
+
 def conformance_cases():
     """The envs test_ex7_env_conformance checks: GYM_ENV_PLUGIN=my_env.py GYM_ENV=my_env picks one."""
     if os.environ.get('GYM_ENV_PLUGIN'):
@@ -1233,14 +1314,16 @@ def test_ex3_the_normalisers_count_the_trajectories_that_do_not_train():
     in_loss = valid & torch.tensor([True] * 7 + [False])
     scores = grpo.Scores(None, None, advantages[:, 0], advantages, valid, in_loss, trained=[0, 1, 6])
     counts = grpo.count(batch, scores)
-    # bnpo/dapo: the tokens of every trajectory in the loss, 3 + 1 + 2 + 2 + 4 + 1; grpo: the 7 valid trajectories
+    # bnpo: the tokens of every trajectory in the loss, 3 + 1 + 2 + 2 + 4 + 1; dapo: the cut one's 6 too, as ms-swift's
+    # num_items_in_batch counts them; grpo: the 7 valid trajectories
     assert (counts.tokens, counts.trajectories, counts.sampled, counts.trained) == (13.0, 7.0, 19.0, 3.0)
     batches = batching.micro_batches([batch[i] for i in scores.trained], advantages[scores.trained], size=8, pad_id=0)
 
     def total(loss_type):  # ratio 1: loss_t = -A
         return sum(grpo.aggregate(-b.advantages, b.loss_mask, b.trajectory_tokens, loss_type,
                                   counts.denominator(loss_type, budget=8 * 10 * 16)) for b in batches).item()
-    assert total('bnpo') == total('dapo') == pytest.approx(-(3 * a - 1 * a + 1 * a) / 13)
+    assert total('bnpo') == pytest.approx(-(3 * a - 1 * a + 1 * a) / 13)
+    assert total('dapo') == pytest.approx(-(3 * a - 1 * a + 1 * a) / 19), 'dapo: every valid trajectory\'s tokens'
     assert total('grpo') == pytest.approx(-(a - a + a) / 7)  # each trajectory's mean, / every valid trajectory
     assert total('dr_grpo') == pytest.approx(-(3 * a - 1 * a + 1 * a) / 1280)  # / 8 trajectories x 10 turns x 16
 
@@ -1333,6 +1416,9 @@ def test_ex3_rollout_importance_weights_by_hand():
     for mode, (weights, over) in expected.items():
         w, clipped = grpo.rollout_is_weights(trainer, engine, mask, mode, threshold=2.0)
         assert torch.allclose(w[0, 1:], torch.tensor(weights)) and clipped.sum() == over, mode
+    w, clipped = grpo.rollout_is_weights(trainer, engine, mask, 'sequence_mask', threshold=3.0)  # sqrt(5) < 3
+    assert torch.allclose(w[0, 1:], torch.tensor([5.0, 1.0])) and clipped.sum() == 0, \
+        "sequence_mask keeps each token's own weight in a sequence within the threshold (as ms-swift)"
     w, _ = grpo.rollout_is_weights(trainer, engine, mask, 'token_truncate', threshold=2.0)
     per_token, _, _ = grpo.token_loss(trainer, trainer, torch.tensor([1.0]), mask, is_weights=w)
     assert loss(per_token, mask).item() == pytest.approx(-(2.0 + 1.0) / 2)
@@ -1539,7 +1625,7 @@ def serving(scheduler, engine, max_turns):
     """server.build_app around a scheduler, served by uvicorn in a thread: its port."""
     import uvicorn
     import server
-    identity = {'fingerprint': 'f', 'boot': 'b', 'max_turns': max_turns, 'gym_env': 'frozen_lake'}
+    identity = {'fingerprint': 'f', 'boot': 'b', 'max_turns': max_turns, 'gym_env': 'frozen_lake', 'weight_pushes': 0}
     app = server.build_app(scheduler, engine, identity, max_trajectories=8, max_weight_bytes=10_000)
     port = free_port()
     uv = uvicorn.Server(uvicorn.Config(app, host='127.0.0.1', port=port, log_level='warning'))
@@ -1868,11 +1954,13 @@ def test_ex4_train_end_to_end_hf_engine_and_resume(tmp_path, tiny_model_dir):
     board = EventAccumulator(str(folder / 'runs')).Reload()
     assert {'loss', 'reward/gym', 'env_errors', 'logprob_gap', 'eval/reward'} <= set(board.Tags()['scalars'])
     assert [e.step for e in board.Scalars('loss')] == [1, 2] and board.Tags()['tensors']  # + the examples as text
-    out = run_train(tmp_path, tiny_model_dir, *flags, '--max_steps', '3', '--resume', 'true')
+    out = run_train(tmp_path, tiny_model_dir, *flags, '--max_steps', '3', '--resume', 'true', '--learning_rate', '5e-4')
     assert 'resumed from' in out and 'at step 2' in out
     steps = step_records(folder)
     assert [m['step'] for m in steps] == [1, 2, 3] and (folder / 'latest').read_text() == 'checkpoint-3'
     assert steps[-1]['kl'] > 1e-6  # the KL anchor is still the starting model, not the checkpoint
+    state = torch.load(folder / 'checkpoint-3' / 'trainer_state.pt', weights_only=False)
+    assert state['optimizer']['param_groups'][0]['lr'] == 5e-4, 'the resumed run ignored --learning_rate'
 
 
 @slow
@@ -1881,6 +1969,114 @@ def test_ex4_train_end_to_end_hf_engine_and_resume(tmp_path, tiny_model_dir):
 def test_without_vllm_training_falls_back_to_transformers(tmp_path, tiny_model_dir):
     out = run_train(tmp_path, tiny_model_dir, '--max_steps', '1')
     assert 'engine: hf (transformers generate), because vLLM could not start' in out
+
+
+# ---------------------------------------------------------------- slow: models of other shapes (tiny, made offline)
+
+LLAMA_TEMPLATE = (  # Llama 3's layout, and like it no tool role (any other role raises)
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unknown role ' + m['role']) }}{% endif %}<|start_header_id|>{{ m['role'] }}"
+    "<|end_header_id|>\n\n{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+QWEN_TEMPLATE = (  # Qwen3's layout: a tool role, and earlier replies rendered without their reasoning
+    "{% for m in messages %}{% if m['role'] == 'tool' %}"
+    "<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{% elif m['role'] == 'assistant' and not loop.last %}"
+    "<|im_start|>assistant\n{{ m['content'].split('</think>')[-1] | trim }}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_token_in_token_out_survives_a_template_that_drops_earlier_reasoning(tokenizer):
+    qwen = copy.deepcopy(tokenizer)
+    qwen.chat_template = QWEN_TEMPLATE
+    replies = iter(f'<think>the goal is {m}</think><action>{m}</action>' for m in ['left', 'right'] * 3)
+    scheduler = GYMScheduler(ScriptedEngine(qwen, lambda t: next(replies)), 3, tokenizer=qwen, gym_env='frozen_lake',
+                             max_completion_length=32)
+    (t,) = rollout(scheduler, requests([0]))  # map 0: bump left, step right, back left
+    assert t.num_turns == 3 and len(t.segments) == 3  # each turn's history is rewritten: a segment a turn
+    for k, segment in enumerate(t.segments):  # each what the model saw: earlier reasoning dropped
+        assert qwen.decode(segment.token_ids) == qwen.apply_chat_template(segment.messages, tokenize=False)
+        assert segment.messages[-1]['content'].startswith('<think>') and (k == 0 or '</think>' not in qwen.decode(
+            [i for i, m in zip(segment.token_ids, segment.loss_mask) if not m]))
+    sampled = [qwen.decode([i for i, m in zip(s.token_ids, s.loss_mask) if m]) for s in t.segments]
+    assert sampled == [f'<think>the goal is {m}</think><action>{m}</action><|im_end|>' for m in ['left', 'right', 'left']]
+
+
+@pytest.fixture(scope='session')
+def other_models(tmp_path_factory, tokenizer):
+    """Tiny random models of two other shapes, with the embedded tokenizer's vocabulary:
+    llama: Llama 3's chat template and special tokens, no pad token, and a generation config with
+    a repetition penalty, top-k and top-p; qwen: a Qwen2 model with Qwen3's template."""
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    folders = {}
+    for name in ('llama', 'qwen'):
+        tok = copy.deepcopy(tokenizer)
+        if name == 'llama':
+            tok.add_special_tokens({'additional_special_tokens': ['<|begin_of_text|>', '<|start_header_id|>',
+                                                                  '<|end_header_id|>', '<|eot_id|>']})
+            tok.eos_token, tok.bos_token, tok.pad_token = '<|eot_id|>', '<|begin_of_text|>', None
+        tok.chat_template = LLAMA_TEMPLATE if name == 'llama' else QWEN_TEMPLATE
+        shape = dict(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                     num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=2048,
+                     tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+        torch.manual_seed(0)
+        model = (LlamaForCausalLM(LlamaConfig(head_dim=64, **shape)) if name == 'llama'
+                 else Qwen2ForCausalLM(Qwen2Config(**shape)))
+        if name == 'llama':
+            model.generation_config = GenerationConfig(repetition_penalty=1.5, top_k=5, top_p=0.5, do_sample=True)
+        folders[name] = tmp_path_factory.mktemp(name)
+        model.save_pretrained(folders[name])
+        tok.save_pretrained(folders[name])
+    return {name: str(folder) for name, folder in folders.items()}
+
+
+def greedy_is_argmax(model_dir, engine_name):
+    """Whether greedy replies are the argmax of the model's own logits at every token (a generation
+    config's penalties must not steer the engine), and their logprobs those of the untouched model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from engines import HFEngine, VLLMEngine
+    model, tok = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    engine = HFEngine(model, tok) if engine_name == 'hf' else VLLMEngine(model_dir, kv_cache_gib=0.25)
+    prompts = [tok.encode(text, add_special_tokens=False) for text in ('left left left', 'a b a b a b a')]
+    worst = 0.0
+    for prompt, c in zip(prompts, engine.generate(prompts, 12, 0.0)):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + c.token_ids])).logits[0, len(prompt) - 1:-1]
+        if logits.argmax(-1).tolist()[:len(c.token_ids)] != c.token_ids:
+            return False, None
+        own = logits.log_softmax(-1).gather(-1, torch.tensor(c.token_ids)[:, None])[:, 0]
+        worst = max(worst, (own - torch.tensor(c.logprobs)).abs().max().item())
+    return True, worst
+
+
+@slow
+@pytest.mark.parametrize('engine', ['hf', pytest.param('vllm', marks=vllm_available)])
+def test_only_the_temperature_shapes_what_an_engine_samples(other_models, engine):
+    same, worst = in_fresh_process(greedy_is_argmax, other_models['llama'], engine)
+    assert same, f'{engine}: greedy ids are not the argmax of the logits: the generation config steered them'
+    assert worst < 1e-4, worst
+
+
+@slow
+@pytest.mark.parametrize('shape, engine, tuner', [
+    ('llama', 'hf', 'full'), pytest.param('llama', 'vllm', 'lora', marks=vllm_available),
+    ('qwen', 'hf', 'lora'), pytest.param('qwen', 'vllm', 'full', marks=vllm_available)])
+def test_models_of_other_shapes_train_on_both_engines(other_models, tmp_path, shape, engine, tuner):
+    """llama (no pad token, a generation config, no tool role) on FrozenLake; qwen (a tool role,
+    reasoning dropped from earlier replies) on the tool task; LoRA on each."""
+    env = ['--env', 'frozen_lake', '--dataset', 'data.jsonl'] if shape == 'llama' else ['--env', 'arithmetic']
+    run = subprocess.run([sys.executable, 'train.py', '--model', other_models[shape], *env, '--engine', engine,
+                          '--tuner_type', tuner, '--output_dir', str(tmp_path / 'out'), '--warm_start_steps', '1',
+                          '--max_steps', '2', '--rows_per_step', '2', '--num_generations', '2', '--max_turns', '2',
+                          '--max_completion_length', '8', '--eval_size', '2', '--learning_rate', '1e-3',
+                          '--vllm_kv_cache_gib', '0.25'], cwd=HERE, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    gaps = [m['logprob_gap'] for m in step_records(tmp_path / 'out')]
+    print(f'{shape} {engine} {tuner}: logprob gaps {gaps}')
+    assert len(gaps) == 2 and max(gaps) < 1e-4, gaps
 
 
 # ---------------------------------------------------------------- slow: vLLM (the real CPU build in CI)
@@ -1900,7 +2096,7 @@ def max_gap(model, trajectories, temperature):
     """The largest |engine logprob - trainer logprob| over the sampled tokens."""
     gaps = []
     for t in trajectories:
-        batch = one_batch(t)
+        batch = one_batch(t).to(model.device)
         logprobs, _ = batching.token_logprobs(model, batch, temperature)
         gaps.append(((logprobs - batch.engine_logprobs).abs()[batch.loss_mask.bool()]).max().item())
     return max(gaps)
@@ -1908,24 +2104,29 @@ def max_gap(model, trajectories, temperature):
 
 def nudge(model, trajectory):
     """One large SGD step that raises the logprob of a trajectory's sampled tokens."""
-    (-batching.token_logprobs(model, one_batch(trajectory), 0.8)[0].sum()).backward()
+    (-batching.token_logprobs(model, one_batch(trajectory).to(model.device), 0.8)[0].sum()).backward()
     torch.optim.SGD(model.parameters(), lr=5.0).step()
 
 
-def vllm_sync_gaps(model_dir):
-    """(gap before an update, gap of the engine's stale logprobs after it, gap after a sync)."""
+def vllm_sync_gaps(model_dir, dtype='float32'):
+    """(gap before an update, gap of the engine's stale logprobs after it, gap after a sync); the
+    sync between a sleep and a wake-up, as train.py does (sleep mode acts on CUDA only)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from engines import VLLMEngine
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
-    engine = VLLMEngine(model_dir, kv_cache_gib=0.25)
-    scheduler = GYMScheduler(engine, tokenizer=tokenizer, max_turns=2, max_completion_length=8, temperature=0.8,
-                             gym_env='frozen_lake')
+    device = 'cuda' if torch.cuda.is_available() else 'cpu'
+    model = AutoModelForCausalLM.from_pretrained(model_dir).to(device)
+    engine = VLLMEngine(model_dir, kv_cache_gib=0.25, gpu_memory_utilization=0.2, dtype=dtype)
+    scheduler = GYMScheduler(engine, tokenizer=AutoTokenizer.from_pretrained(model_dir), max_turns=2,
+                             max_completion_length=8, temperature=0.8, gym_env='frozen_lake')
     trajectories = rollout(scheduler, requests(range(4)))
-    before = max_gap(model, trajectories, 0.8)
-    nudge(model, trajectories[0])
-    stale = max_gap(model, trajectories, 0.8)
-    engine.load_weights(model.state_dict().items())
-    return before, stale, max_gap(model, rollout(scheduler, requests(range(4))), 0.8)
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == 'bfloat16'):  # as update.precision
+        before = max_gap(model, trajectories, 0.8)
+        nudge(model, trajectories[0])
+        stale = max_gap(model, trajectories, 0.8)
+        engine.sleep()
+        engine.wake_up()
+        engine.load_weights(model.state_dict().items())
+        return before, stale, max_gap(model, rollout(scheduler, requests(range(4))), 0.8)
 
 
 @slow
@@ -1983,10 +2184,13 @@ def test_schedulers_train_end_to_end(tmp_path, tiny_model_dir, scheduler):
 
 
 @slow
+@vllm_available
 @pytest.mark.skipif(not torch.cuda.is_available(), reason='needs CUDA: sleep mode and bf16 vLLM are GPU-only paths')
-def test_vllm_sleep_mode_on_cuda(tmp_path, tiny_model_dir):
-    out = run_train(tmp_path, tiny_model_dir, '--engine', 'vllm')
-    assert 'engine: vllm' in out
+@pytest.mark.parametrize('dtype, tolerance', [('float32', 1e-3), ('bfloat16', 5e-2)])
+def test_vllm_sleep_wake_and_push_on_cuda(tiny_model_dir, dtype, tolerance):
+    before, stale, after = in_fresh_process(vllm_sync_gaps, tiny_model_dir, dtype)
+    print(f'{dtype}: logprob gap {before:.2e} before, {stale:.2e} stale, {after:.2e} after sleep, wake and push')
+    assert before < tolerance and stale > 0.1 and after < tolerance, (before, stale, after)
 
 
 # ---------------------------------------------------------------- slow: server mode with vLLM (real processes on 127.0.0.1)
@@ -2036,6 +2240,24 @@ def test_server_mode_training_resume_and_what_the_trainer_refuses(vllm_server, t
                            (['--max_turns', '3'], '--max_turns 3: the rollout server at')):
         run = subprocess.run(base + extra, cwd=HERE, capture_output=True, text=True, timeout=300)
         assert run.returncode == 1 and message in run.stderr.splitlines()[-1], run.stderr[-2000:]
+
+
+@slow
+@vllm_available
+def test_server_mode_under_torchrun_pushes_the_weights_once_a_step(vllm_server, tmp_path, tiny_model_dir):
+    (tmp_path / 'length_plugin.py').write_text(LENGTH_PLUGIN)
+    before = call(vllm_server, '/health')[1]['weight_pushes']
+    run = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2', 'train.py',
+                          '--model', tiny_model_dir, '--output_dir', str(tmp_path / 'out'), '--vllm_mode', 'server',
+                          '--vllm_server_port', str(vllm_server), '--vllm_server_pass_dataset', 'true',
+                          '--external_plugins', str(tmp_path / 'length_plugin.py'), '--env', 'length',
+                          '--rows_per_step', '2', '--num_generations', '2', '--max_turns', '2', '--max_steps', '2',
+                          '--max_completion_length', '8', '--eval_size', '0', '--learning_rate', '1e-3'],
+                         cwd=HERE, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    updated = sum(m['grad_norm'] > 0 for m in step_records(tmp_path / 'out'))
+    pushes = call(vllm_server, '/health')[1]['weight_pushes'] - before
+    assert pushes == 1 + updated, f'{pushes} pushes for 2 processes and {updated} updates: one a sync, from rank 0'
 
 
 def server_against_colocate(port, model_dir):
@@ -2285,9 +2507,9 @@ def test_the_warm_start_is_supervised_learning(tiny_model_dir):
     model, tokenizer = AutoModelForCausalLM.from_pretrained(tiny_model_dir), AutoTokenizer.from_pretrained(tiny_model_dir)
     rows = [{'messages': [], 'env_config': {'seed': s}} for s in range(4)]
     args = config.Args(warm_start_steps=1, rows_per_step=2, num_generations=2, max_grad_norm=1e9, temperature=0.7,
-                       learning_rate=0.0)  # SGD at lr 0: the gradients are checked, the weights stay
+                       learning_rate=0.0)  # lr 0: the gradients are checked, the weights stay
     source = SimpleNamespace(load_weights=lambda model: None, sleep=lambda: None, wake_up=lambda: None)  # no engine
-    stats = train.warm_start(model, torch.optim.SGD(model.parameters(), lr=0.0), source, rows, args, tokenizer)
+    stats = train.warm_start(model, source, rows, args, tokenizer)
     grads = {k: p.grad.clone() for k, p in model.named_parameters()}
     # the same games, and the plain cross-entropy of their replies (temperature 1, a mean over reply tokens)
     picked = random.Random(args.seed).sample(rows, 4)
@@ -2303,6 +2525,25 @@ def test_the_warm_start_is_supervised_learning(tiny_model_dir):
     nll.backward()
     assert stats['logprob_gap'] == pytest.approx(nll.item(), rel=1e-5)  # the printed mean -logprob
     assert all(torch.allclose(p.grad, grads[k], atol=1e-6) for k, p in model.named_parameters())
+
+
+@slow
+@pytest.mark.parametrize('tuner', ['full', 'lora'])
+def test_grpo_starts_where_the_warm_start_ends(tmp_path, tiny_model_dir, tuner):
+    """After a warm start GRPO starts afresh, as a separate run would: an AdamW without the
+    supervised momentum (checkpoint-0 holds none), and the KL anchored at the warm-started model,
+    with full training and with LoRA (step 1's policy is that model: its KL is 0)."""
+    flags = ['--env', 'frozen_lake', '--dataset', 'data.jsonl', '--warm_start_steps', '2', '--max_steps', '1',
+             '--warm_start_learning_rate', '1e-3', '--beta', '0.1', '--tuner_type', tuner, '--engine', 'hf',
+             '--rows_per_step', '2', '--num_generations', '2', '--max_turns', '2', '--max_completion_length', '8',
+             '--eval_size', '0']
+    run = subprocess.run([sys.executable, 'train.py', '--model', tiny_model_dir, '--output_dir', str(tmp_path / 'out'),
+                          *flags], cwd=HERE, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    state = torch.load(tmp_path / 'out' / 'checkpoint-0' / 'trainer_state.pt', weights_only=False)
+    assert state['optimizer']['state'] == {}, "GRPO's AdamW carries the supervised phase's moments"
+    (step,) = step_records(tmp_path / 'out')
+    assert step['kl'] < 1e-6, f"step 1's KL is {step['kl']}: the anchor is not the warm-started model"
 
 
 @slow

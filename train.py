@@ -14,6 +14,7 @@ success, its expert) come from its env class (env.py). LoRA (peft), several proc
 and a GPU are options: docs/speed-and-scaling.md.
 Left out: learning-rate schedules, reward models, FSDP/DeepSpeed.
 """
+import copy
 import dataclasses
 import json
 import os
@@ -70,10 +71,9 @@ def pick_device(choice: str) -> torch.device:
 
 def load_models(args: Args, rank: int = 0):
     """(tokenizer, model, reference model or None, optimizer, first step), on --device. On
-    --resume the model and optimizer come from the checkpoint. The KL anchor is always the
-    starting model, --model (with LoRA: the same model, its adapters off, so None here), also
-    after a warm start: to anchor at the warm-started model, run the warm start alone and start
-    again from checkpoint-0."""
+    --resume the model and optimizer come from the checkpoint. The KL anchor (--beta) is the model
+    GRPO starts from: --model (with LoRA: the same model, its adapters off, so None here), or
+    after a warm start the warm-started model (`frozen`; on --resume, checkpoint-0)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     start, device = args.model or embedded_model(), pick_device(args.device)
     path, state = start, None
@@ -87,21 +87,33 @@ def load_models(args: Args, rank: int = 0):
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise UserError(f'--model {path}: cannot load: {str(e).splitlines()[0]}') from None
+    if tokenizer.pad_token is None:  # padding only fills batches: any token will do (as TRL)
+        tokenizer.pad_token = tokenizer.eos_token
     model = load_policy(path, args, device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=0.0)
     if state and 'optimizer' in state:  # (none with --save_only_model: AdamW starts afresh)
         optimizer.load_state_dict(state['optimizer'])
+        for group in optimizer.param_groups:  # the saved state brings its rate: --learning_rate
+            group['lr'] = args.learning_rate
     if rank == 0:
         total = sum(p.numel() for p in model.parameters())
         print(f'model: {start} ({args.tuner_type}), trainable parameters: '
               f'{sum(p.numel() for p in trainable):,} of {total:,}'
               + (f"\nresumed from {path} at step {state['step']}" if state else ''))
-    ref_model = None
-    if args.beta and not hasattr(model, 'peft_config'):
-        ref_model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32).to(device)
-        ref_model.eval()
+    ref_model, warm = None, os.path.join(args.output_dir, 'checkpoint-0')
+    if args.beta and args.resume and os.path.exists(warm):
+        ref_model = frozen(load_policy(warm, args, device))
+    elif args.beta and not hasattr(model, 'peft_config'):
+        ref_model = frozen(AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32).to(device))
     return tokenizer, model, ref_model, optimizer, state['step'] if state else 0
+
+
+def frozen(model):
+    """A copy of `model` as it is now, LoRA adapters merged in, that never trains: a KL anchor."""
+    ref = copy.deepcopy(model)
+    ref = ref.merge_and_unload() if hasattr(ref, 'merge_and_unload') else ref
+    return ref.eval().requires_grad_(False)
 
 
 def make_rollouts(args: Args, model, tokenizer, rank: int = 0):
@@ -144,28 +156,31 @@ def save_checkpoint(model, tokenizer, optimizer, step: int, args: Args):
     with open(latest + '.tmp', 'w') as f:
         f.write(os.path.basename(final))
     os.replace(latest + '.tmp', latest)
-    for old in os.listdir(output_dir):  # keep only the newest checkpoint
-        if old.startswith('checkpoint-') and old != os.path.basename(final):
+    for old in os.listdir(output_dir):  # keep the newest checkpoint, and a warm start's
+        if old.startswith('checkpoint-') and old not in (os.path.basename(final), 'checkpoint-0'):
             shutil.rmtree(os.path.join(output_dir, old), ignore_errors=True)
 
 
 # ------------------------------------------------------------------------- 0. the warm start
 
-def warm_start(model, optimizer, source, rows, args: Args, tokenizer, rank=0, world=1):
+def warm_start(model, source, rows, args: Args, tokenizer, rank=0, world=1):
     """--warm_start_steps supervised steps on games the env's expert plays on the training rows
     (scheduler.ExpertScheduler): the update with every advantage 1, one pass, the bnpo normaliser
     and temperature 1. The ratio is then 1, so the loss's gradient is that of the replies' mean
     negative log-likelihood under the model itself (the loss's value is -1; the log-likelihood is
-    what logprob_gap shows, the expert's logprobs being 0). SCOUT (arXiv 2601.21754) warms up so."""
+    what logprob_gap shows, the expert's logprobs being 0). SCOUT (arXiv 2601.21754) warms up so.
+    It has an AdamW of its own, left behind: GRPO starts with a fresh one, as a separate run of
+    ms-swift or TRL would (the supervised momentum would otherwise carry on into GRPO's steps)."""
     expert = Colocated(None, ExpertScheduler(None, args.max_turns, tokenizer=tokenizer,
                                              gym_env=args.gym_env,
                                              max_model_len=args.vllm_max_model_len))
     supervised = dataclasses.replace(args, num_iterations=1, beta=0.0, temperature=1.0,
                                      loss_type='bnpo', rollout_importance_sampling_mode=None,
                                      importance_sampling_level='token')
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                  lr=args.warm_start_learning_rate or args.learning_rate,
+                                  weight_decay=0.0)
     rng = random.Random(args.seed)
-    for group in optimizer.param_groups:  # its own learning rate, if --warm_start_learning_rate
-        group['lr'] = args.warm_start_learning_rate or args.learning_rate
     source.sleep()  # (the expert needs no engine)
     for step in range(1, args.warm_start_steps + 1):
         games_a_step = min(len(rows), args.rows_per_step * args.num_generations)
@@ -179,12 +194,8 @@ def warm_start(model, optimizer, source, rows, args: Args, tokenizer, rank=0, wo
         if rank == 0:
             print(f"warm start {step}/{args.warm_start_steps}: the expert's replies, mean -logprob "
                   f"{stats['logprob_gap']:.3f}")
-    for group in optimizer.param_groups:
-        group['lr'] = args.learning_rate
     source.wake_up()
     source.load_weights(model)  # the engine samples from the warm-started model
-    if rank == 0:  # kept as checkpoint-0: GRPO resumes from it, or it is the model
-        save_checkpoint(model, tokenizer, optimizer, 0, args)
     return stats
 
 
@@ -277,11 +288,15 @@ def main(args: Args):
     source = make_rollouts(args, model, tokenizer, rank)
     log = RunLog(args.output_dir, tokenizer, names + ['gym'] * args.use_gym_env, args.gym_env,
                  args.report_to, active=rank == 0)
-    before = evaluation(log, source, eval_rows, env_cls, args, start, 'before')
+    warm = args.warm_start_steps if not args.resume else 0  # its steps are -warm + 1, ..., 0
+    before = evaluation(log, source, eval_rows, env_cls, args, start - warm, 'before')
     if args.eval_only:
         return before
-    if args.warm_start_steps and not args.resume:  # ---- 0. a warm start on the env's expert ----
-        warm_start(model, optimizer, source, rows, args, tokenizer, rank, world)
+    if warm:  # ---- 0. a warm start on the env's expert ----
+        warm_start(model, source, rows, args, tokenizer, rank, world)
+        ref_model = frozen(model) if args.beta else None  # GRPO's anchor: where it starts
+        if rank == 0:  # kept as checkpoint-0 (never deleted): GRPO resumes from it, or it is the model
+            save_checkpoint(model, tokenizer, optimizer, 0, args)
         if args.eval_steps and args.max_steps:  # step 0 of --eval_steps: after the warm start
             evaluation(log, source, eval_rows, env_cls, args, 0, 'during')
     for step in log.progress(range(start + 1, args.max_steps + 1), start, args.max_steps):
