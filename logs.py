@@ -1,7 +1,6 @@
 """What a training run measures and writes, in one place (README: "Outputs and metrics").
 
-1. Held-out evaluation: one trajectory per held-out row; the mean gym reward, and success with
-   its Wilson interval when the env defines success (`Env.is_success`).
+1. An evaluation's line and record (train.evaluate plays it); success's Wilson interval.
 2. A progress bar over the steps, and one readable line per step.
 3. metrics.jsonl: one record per step and one per evaluation.
 4. completions.jsonl: one line per training trajectory (the document: the env's info dicts go
@@ -16,7 +15,6 @@
 import json
 import math
 import os
-import time
 from typing import Optional
 
 import torch
@@ -53,29 +51,6 @@ def success_interval(successes: int, n: int, z: float = 1.96):
     centre = (p + z * z / (2 * n)) / (1 + z * z / n)
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
     return max(0.0, centre - half), min(1.0, centre + half)
-
-
-GAMES_SHOWN = 4  # held-out games in agent.png, per evaluation
-
-
-def evaluate(source, rows, env_cls, temperature: float, chunk: int = 32, progress=False) -> dict:
-    """One trajectory per held-out row: the mean gym reward, and success with its interval when
-    the env says what success is. The games are played `chunk` at a time, the size of a training
-    step's batch, which fits the engine's KV cache: all of them at once would not, and the engine
-    would drop and recompute what turns share (docs/speed-and-scaling.md)."""
-    trajectories = []
-    for i in tqdm(range(0, len(rows), chunk), desc='eval', unit='chunk', disable=not progress,
-                  leave=False):
-        trajectories += source.rollout(rows[i:i + chunk], 1, temperature)
-    n = len(trajectories)
-    result = {'reward': sum(t.rollout_infos.get('total_reward', 0.0) for t in trajectories) / n}
-    wins = [env_cls.is_success(t.rollout_infos) for t in trajectories]
-    if None not in wins:
-        low, high = success_interval(sum(wins), len(wins))
-        result.update({'success': sum(wins) / len(wins), 'success_low': low, 'success_high': high})
-    return {**result, 'valid_actions': valid_share(trajectories), **tool_use(trajectories),
-            'turns': sum(t.num_turns for t in trajectories) / n, 'examples': trajectories[:2],
-            'games': [t.rollout_infos for t in trajectories[:GAMES_SHOWN]]}
 
 
 def show(trajectory: Trajectory, tokenizer) -> str:
@@ -196,15 +171,10 @@ class RunLog:
                 self.completions.write(json.dumps(line) + '\n')
         self.completions.flush()
 
-    def evaluation(self, step: int, tag: str, source, rows, env_cls, temperature: float,
-                   chunk: int) -> dict:
-        """Evaluate (a progress bar over chunks of games); print its line and two examples; write
-        its metrics.jsonl record."""
-        if not self.active:
-            return None
-        t0 = time.time()
-        result = evaluate(source, rows, env_cls, temperature, chunk, progress=True)
-        seconds, examples = time.time() - t0, result.pop('examples')
+    def evaluation(self, step: int, tag: str, result: dict, seconds: float):
+        """An evaluation's line, two of its games decoded, and its metrics.jsonl record (`examples`
+        and `games` leave the result: the games go into agent.png at the end)."""
+        examples = result.pop('examples')
         self.games.append((step, result.pop('games')))
         score = f"reward {result['reward']:.3f}"
         if 'success' in result:
@@ -216,9 +186,7 @@ class RunLog:
         shown = [show(example, self.tokenizer) for example in examples]
         for text in shown:
             print('  example:', text.replace('\n', '\n  '))
-        record = {'step': step, **{f'eval/{k}': v for k, v in result.items()}}
-        self._write(record, '\n\n'.join(shown))
-        return result
+        self._write({'step': step, **{f'eval/{k}': v for k, v in result.items()}}, '\n\n'.join(shown))
 
     def finish(self, before, after, env_cls):
         """The before/after line, curve.png and agent.png."""

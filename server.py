@@ -18,8 +18,13 @@ Left out: several servers, asynchronous rollouts, TLS and authentication (it lis
 import argparse
 import asyncio
 import dataclasses
+import hashlib
+import json
 import os
 import threading
+import time
+import urllib.error
+import urllib.request
 import uuid
 from types import SimpleNamespace
 from typing import Any, Dict, List
@@ -29,8 +34,9 @@ from pydantic import BaseModel, Field, ValidationError
 import config
 import arithmetic  # noqa: F401  (registers envs['arithmetic'] and tools['calculator'])
 import frozen_lake  # noqa: F401  (registers envs['frozen_lake'])
-from env import UserError, env_name, envs
+from env import RolloutInferRequest, UserError, env_name, envs
 from scheduler import make_scheduler, requests_for
+from trajectory import Segment, Trajectory
 
 MAX_ROLLOUT_BYTES = 16 * 2**20  # a /rollout body: rows are small; this is thousands of them
 
@@ -139,12 +145,113 @@ def build_app(scheduler, engine, identity: dict, max_trajectories: int, max_weig
     return app
 
 
+# ------------------------------------------------ the trainer's side: train.py --vllm_mode server
+
+def fingerprint(tokenizer, config) -> str:
+    """What trainer and server must share: the architecture and the tokenizer (not the weights)."""
+    keys = ('model_type', 'vocab_size', 'hidden_size', 'num_hidden_layers')
+    arch = {k: getattr(config, k, None) for k in keys}
+    blob = json.dumps([arch, sorted(tokenizer.get_vocab().items()), tokenizer.chat_template])
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+class RolloutClient:
+    """The trainer's side of server mode: the same calls as Colocated, over HTTP to server.py.
+
+    The server owns the game (its --gym_env, --max_turns, plugins); each request carries the
+    trainer's sampling settings (temperature, max_completion_length)."""
+
+    def __init__(self, url: str, tokenizer, config, max_turns: int, max_completion_length: int,
+                 pass_dataset: bool, timeout: float):
+        self.url, self.timeout, self.pass_dataset = url, timeout, pass_dataset
+        self.max_completion_length = max_completion_length
+        deadline = time.time() + timeout
+        while True:  # wait for a server that is still starting, but not forever
+            try:
+                health = self._call('GET', '/health')
+                break
+            except UserError:
+                if time.time() > deadline:
+                    raise
+                time.sleep(2)
+        if health['fingerprint'] != fingerprint(tokenizer, config):
+            raise UserError(f'the rollout server at {url} serves another model architecture or '
+                            'tokenizer; '
+                            'start it with the same --model as the trainer')
+        if health['max_turns'] != max_turns:
+            raise UserError(f"--max_turns {max_turns}: the rollout server at {url} plays "
+                            f"{health['max_turns']} "
+                            'turns; the server owns it: give both the same --max_turns')
+        self.boot = health['boot']
+
+    def _call(self, method: str, route: str, body: bytes = None) -> dict:
+        request = urllib.request.Request(self.url + route, data=body, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                answer = json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            detail = e.read().decode()[:500]
+            raise UserError(f'rollout server {route}: HTTP {e.code}: {detail}') from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            raise UserError(f'the rollout server at {self.url} did not answer {route} ({e}); the '
+                            'last checkpoint is intact: restart the server and run again with '
+                            '--resume true') from None
+        if 'boot' in answer and getattr(self, 'boot', answer['boot']) != answer['boot']:
+            raise UserError(f'the rollout server at {self.url} restarted and lost the trained '
+                            'weights; '
+                            'run again with --resume true')
+        return answer
+
+    def rollout(self, rows, group_size, temperature) -> List[Trajectory]:
+        if not self.pass_dataset:
+            if any(row.get('env_config') for row in rows):
+                raise UserError('the rows carry env_config (e.g. the map seed) but '
+                                '--vllm_server_pass_dataset is false: each trajectory of a group '
+                                'would play a different map; pass --vllm_server_pass_dataset true')
+            rows = [{'messages': row.get('messages', [])} for row in rows]
+        body = json.dumps({'rows': rows, 'num_generations': group_size, 'temperature': temperature,
+                           'max_completion_length': self.max_completion_length})
+        return [Trajectory(**{**t, 'request': RolloutInferRequest(**t['request']),
+                              'segments': [Segment(**s) for s in t['segments']]})
+                for t in self._call('POST', '/rollout', body.encode())['trajectories']]
+
+    def load_weights(self, model):
+        """Push the policy's weights to the server: under torchrun from rank 0 only (every process
+        holds the same weights), the others waiting until they are there."""
+        import torch.distributed as dist
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            self._call('POST', '/update_weights', self._encode(model))
+        if dist.is_initialized():
+            dist.barrier()  # no process rolls out on the old weights
+
+    @staticmethod
+    def _encode(model) -> bytes:
+        """The weights in safetensors format. Tied embeddings share memory, which safetensors
+        refuses: send a copy. Both names go, as in colocate mode: vLLM's CPU backend keeps lm_head
+        as its own tensor."""
+        from safetensors.torch import save
+        from engines import policy_weights
+        seen, weights = set(), {}
+        with policy_weights(model) as pairs:
+            for name, tensor in pairs:
+                cpu = tensor.detach().cpu()
+                weights[name] = cpu.clone() if tensor.data_ptr() in seen else cpu.contiguous()
+                seen.add(tensor.data_ptr())
+            return save(weights)
+
+    def sleep(self):
+        pass
+
+    wake_up = sleep
+
+
 def serve(args):
     os.environ.setdefault('TORCH_CPP_LOG_LEVEL', 'ERROR')  # read as torch loads: quiets a NUMA line
     import torch
     import uvicorn
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from engines import VLLMEngine, embedded_model, fingerprint, quiet
+    from engines import VLLMEngine
+    from models import embedded_model, quiet
     quiet()
     path = args.model or embedded_model()
     tokenizer, config = AutoTokenizer.from_pretrained(path), AutoConfig.from_pretrained(path)

@@ -39,7 +39,7 @@ from env import Env, RolloutInferRequest, UserError, envs, load_dataset, load_pl
 from frozen_lake import MOVES, generate_random_map, parse_action, shortest_path
 import logs
 import tools
-from logs import evaluate
+import update
 from scheduler import ExpertScheduler, GYMScheduler, HintScheduler, MultiTurnScheduler, multi_turns, requests_for, rollout
 from trajectory import Segment, Trajectory
 
@@ -797,7 +797,7 @@ def test_held_out_maps_have_the_training_rows_settings(tmp_path):
     (tmp_path / 'big.jsonl').write_text(''.join(
         json.dumps({'messages': [], 'env_config': {'seed': s, 'size': 5, 'observation': 'position'}}) + '\n'
         for s in range(8)))
-    eval_rows = config.check_args(config.parse_args(['--dataset', str(tmp_path / 'big.jsonl'), '--eval_size', '2']))[1]
+    eval_rows = config.check_args(config.parse_args(['--dataset', str(tmp_path / 'big.jsonl'), '--eval_size', '2'])).eval_rows
     assert [r['env_config'] for r in eval_rows] == [{'seed': 100_000 + i, 'size': 5, 'observation': 'position'}
                                                     for i in range(2)]
 
@@ -840,14 +840,18 @@ def test_ex1_progress_reward_replays_the_walk():
 
 
 def test_evaluation_is_the_tasks_own(tokenizer, tmp_path):
+    import train
     lake = Colocated(None, gym(tokenizer, bfs_policy))
-    result = evaluate(lake, frozen_lake.FrozenLakeEnv.eval_rows(16, {}), frozen_lake.FrozenLakeEnv, 0.0)
+    task = config.Task([], frozen_lake.FrozenLakeEnv.eval_rows(16, {}), frozen_lake.FrozenLakeEnv, ['format'], [0.5, 1])
+    result = train.evaluate(lake, task, config.Args(eval_temperature=0.0))
     assert result['success'] == 1.0 and result['valid_actions'] == 1.0 and result['success_low'] > 0.75
-    assert [g['step_infos'][-1]['status'] for g in result['games']] == ['goal'] * logs.GAMES_SHOWN
+    assert result['reward/gym'] == 1.0 and result['reward'] == 1.5  # a step's keys: the weighted reward
+    assert [g['step_infos'][-1]['status'] for g in result['games']] == ['goal'] * 4
     logs.draw_games(str(tmp_path), [(0, result['games'])], frozen_lake.FrozenLakeEnv)  # agent.png's strip
     assert (tmp_path / 'agent.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
     echo = Colocated(None, GYMScheduler(ScriptedEngine(tokenizer, lambda text: 'four'), tokenizer=tokenizer, gym_env='echo'))
-    result = evaluate(echo, [{'messages': [], 'env_config': {}}] * 3, EchoEnv, 0.0)
+    result = train.evaluate(echo, config.Task([], [{'messages': [], 'env_config': {}}] * 3, EchoEnv, [], [1.0]),
+                            config.Args(eval_temperature=0.0))
     assert 'success' not in result and result['reward'] == 4.0  # an env without a success test: mean reward
 
 
@@ -998,28 +1002,28 @@ def test_help_shows_the_true_defaults():
 
 
 def test_each_task_brings_its_own_rewards_and_held_out_rows(tmp_path):
-    rows, eval_rows, env_cls, names, weights = config.check_args(config.parse_args([]))
+    rows, eval_rows, env_cls, names, weights = dataclasses.astuple(config.check_args(config.parse_args([])))
     assert (names, weights, env_cls, len(rows)) == (['progress'], [0.5, 1.0], frozen_lake.FrozenLakeEnv, 1024)
     assert [r['env_config']['seed'] for r in eval_rows] == list(range(100_000, 100_256))
-    assert config.check_args(config.parse_args(['--use_gym_env', 'false']))[3:] == (['progress'], [0.5])
-    assert config.check_args(config.parse_args(['--reward_funcs', 'format']))[3:] == (['format'], [1.0, 1.0])
-    assert config.check_args(config.parse_args(['--reward_funcs']))[3:] == ([], [1.0])
+    assert dataclasses.astuple(config.check_args(config.parse_args(['--use_gym_env', 'false'])))[3:] == (['progress'], [0.5])
+    assert dataclasses.astuple(config.check_args(config.parse_args(['--reward_funcs', 'format'])))[3:] == (['format'], [1.0, 1.0])
+    assert dataclasses.astuple(config.check_args(config.parse_args(['--reward_funcs'])))[3:] == ([], [1.0])
     # a student's env inherits nothing from FrozenLake: no format reward, its own held-out rows
     (tmp_path / 'guess.py').write_text(GUESS_PLUGIN)
-    rows, eval_rows, env_cls, names, weights = config.check_args(
-        config.parse_args(['--external_plugins', str(tmp_path / 'guess.py'), '--gym_env', 'guess']))
+    rows, eval_rows, env_cls, names, weights = dataclasses.astuple(config.check_args(
+        config.parse_args(['--external_plugins', str(tmp_path / 'guess.py'), '--gym_env', 'guess'])))
     assert (names, weights, len(rows), len(eval_rows)) == ([], [1.0], 115, 13)  # 10% of data.jsonl held out
     assert config.parse_args(['--external_plugins', str(tmp_path / 'guess.py'), '--gym_env', 'guess']) == config.Args(
         external_plugins=[str(tmp_path / 'guess.py')], gym_env='guess')  # and none of FrozenLake's train_defaults
     assert eval_rows[-1]['env_config'] == {'seed': 127} and env_cls.is_success({}) is None
     assert config.check_args(config.parse_args(['--external_plugins', str(tmp_path / 'guess.py'), '--gym_env', 'guess',
-                                              '--eval_size', '4']))[1][0]['env_config'] == {'seed': 124}
+                                              '--eval_size', '4'])).eval_rows[0]['env_config'] == {'seed': 124}
     # the README's richer GuessEnv: its own reward column, held-out rows and success test
     rules = GUESS_PLUGIN.replace('from env import Env, envs', 'from env import Env, envs, reward_funcs').replace(
         'envs[\'guess\'] = GuessEnv', GUESS_RULES)
     (tmp_path / 'guess_rules.py').write_text(rules)
-    rows, eval_rows, env_cls, names, weights = config.check_args(
-        config.parse_args(['--external_plugins', str(tmp_path / 'guess_rules.py'), '--gym_env', 'guess']))
+    rows, eval_rows, env_cls, names, weights = dataclasses.astuple(config.check_args(
+        config.parse_args(['--external_plugins', str(tmp_path / 'guess_rules.py'), '--gym_env', 'guess'])))
     assert (names, weights, len(rows), eval_rows[0]) == (['digits_only'], [0.2, 1.0], 128, {
         'messages': [], 'env_config': {'seed': 10_000}})
     assert env_cls.is_success({'total_reward': 1.0}) and reward_funcs['digits_only'](
@@ -1068,7 +1072,7 @@ QUESTIONS = [{'messages': [{'role': 'user', 'content': f'What is {k} + 3?'}], 's
 def test_an_ms_swift_reward_class_reads_the_batch_and_the_datasets_columns(tmp_path):
     flags = plain_rows(tmp_path, QUESTIONS)
     args = config.parse_args(flags + ['--use_gym_env', 'false', '--reward_funcs', 'answer', 'short'])
-    rows, eval_rows, env_cls, names, weights = config.check_args(args)  # no env_config: no env plays
+    rows, eval_rows, env_cls, names, weights = dataclasses.astuple(config.check_args(args))  # no env plays
     assert (len(rows), len(eval_rows), names, weights) == (9, 1, ['answer', 'short'], [1.0, 1.0])
     games = [Trajectory(RolloutInferRequest(r['messages'], {'solution': r['solution']}),
                         messages=r['messages'] + [{'role': 'assistant', 'content': reply}])
@@ -1455,14 +1459,14 @@ def test_ex2_dynamic_sampling_refills_the_batch_with_informative_groups():
     import train
     rows = [{'messages': [], 'env_config': {'seed': s}} for s in range(8)]
     args = config.Args(rows_per_step=2, num_generations=2, dynamic_sample=True, max_resample_times=10)
-    trajectories, rounds = train.collect(RowRollouts(), rows, 1, args, [], [1.0])
+    trajectories, rounds = train.collect(RowRollouts(), config.Task(rows, [], Env, [], [1.0]), 1, args)
     assert {t.request.data_dict['env_config']['seed'] for t in trajectories} == {6, 7} and 1 <= rounds <= 6
-    plain, rounds = train.collect(RowRollouts(), rows, 1, config.Args(rows_per_step=2, num_generations=2), [], [1.0])
+    plain, rounds = train.collect(RowRollouts(), config.Task(rows, [], Env, [], [1.0]), 1, config.Args(rows_per_step=2, num_generations=2))
     assert rounds == 0 and len(plain) == 4  # off by default: the step's rows, whatever their spread
     args = config.Args(rows_per_step=2, num_generations=2, dynamic_sample=True, max_resample_times=0)
-    assert train.collect(RowRollouts(), rows, 1, args, [], [1.0])[1] == 0
+    assert train.collect(RowRollouts(), config.Task(rows, [], Env, [], [1.0]), 1, args)[1] == 0
     args = config.Args(rows_per_step=4, num_generations=2, dynamic_sample=True, max_resample_times=2)
-    assert len(train.collect(RowRollouts(informative=(7,)), rows, 1, args, [], [1.0])[0]) == 8  # too few: filled up
+    assert len(train.collect(RowRollouts(informative=(7,)), config.Task(rows, [], Env, [], [1.0]), 1, args)[0]) == 8  # too few: filled up
 
 
 def test_ex2_dynamic_sampling_processes_draw_different_fresh_rows():
@@ -1472,7 +1476,7 @@ def test_ex2_dynamic_sampling_processes_draw_different_fresh_rows():
     for step in range(1, 6):  # one informative row: each process looks for it, in rows of its own
         sources = [RowRollouts(informative=(7,)), RowRollouts(informative=(7,))]
         for rank, source in enumerate(sources):
-            train.collect(source, rows, step, args, [], [1.0], rank=rank, world=2)
+            train.collect(source, config.Task(rows, [], Env, [], [1.0]), step, args, rank=rank, world=2)
         first = random.Random(args.seed * 100_003 + step).sample(range(8), 2)  # the step's own rows
         fresh = [set(source.rows) - set(first) for source in sources]
         assert not fresh[0] & fresh[1], (step, fresh)
@@ -1493,7 +1497,7 @@ def test_ex6_dynamic_sampling_keeps_groups_with_gigpo_signal():
     assert grpo.step_advantages(Walks().rollout(rows[:1], 2, 1.0), 2, 0.95, 'group').any()  # the step-level signal
     args = config.Args(rows_per_step=1, num_generations=2, dynamic_sample=True, max_resample_times=3,
                        advantage_estimator='gigpo', scale_rewards='group')
-    assert train.collect(Walks(), rows, 1, args, [], [1.0])[1] == 0  # informative as it is: no refill
+    assert train.collect(Walks(), config.Task(rows, [], Env, [], [1.0]), 1, args)[1] == 0  # informative as it is: no refill
 
 
 def gigpo_walks():
@@ -1558,13 +1562,13 @@ def test_ex2_collect_does_not_gather_the_batch_std_and_one_reward_is_no_nan(monk
     rows = [{'messages': [], 'env_config': {'seed': s}} for s in range(8)]
     args = config.Args(rows_per_step=2, num_generations=2, dynamic_sample=True, max_resample_times=3,
                        scale_rewards='batch')
-    train.collect(RowRollouts(), rows, 1, args, [], [1.0])
+    train.collect(RowRollouts(), config.Task(rows, [], Env, [], [1.0]), 1, args)
 
     def one_reward(out, mine):
         out[:] = [mine[:1], []]
     monkeypatch.setattr(train.dist, 'all_gather_object', one_reward)
     group = RowRollouts().rollout(rows[6:7], 2, 1.0)
-    scores = train.score(group, [], [1.0], args)
+    scores = train.score_step(group, config.Task([], [], Env, [], [1.0]), args)
     assert torch.isfinite(scores.advantages).all(), scores.advantages
 
 
@@ -1691,7 +1695,7 @@ def test_server_answers_health_while_a_rollout_runs(scripted_server):
 
 def test_a_dataset_names_registered_tools_and_its_held_out_rows_keep_them(tmp_path):
     (tmp_path / 'rows.jsonl').write_text(json.dumps({'messages': [], 'env_config': {'seed': 1}, 'tools': []}) + '\n')
-    _, held_out, *_ = config.check_args(config.parse_args(['--env', 'arithmetic', '--rows_per_step', '1', '--dataset', str(tmp_path / 'rows.jsonl')]))
+    held_out = config.check_args(config.parse_args(['--env', 'arithmetic', '--rows_per_step', '1', '--dataset', str(tmp_path / 'rows.jsonl')])).eval_rows
     assert all(row['tools'] == [] for row in held_out)  # withheld in training, withheld in evaluation
     (tmp_path / 'rows.jsonl').write_text(json.dumps({'messages': [], 'env_config': {}, 'tools': ['abacus']}) + '\n')
     with pytest.raises(UserError, match='rows.jsonl, row 1: tools must be a list of registered tool names; registered: '
@@ -1848,7 +1852,7 @@ def test_ex4_token_logprobs_match_a_full_forward(tiny_model_dir):
     mask[0, 5:9] = mask[1, 3:12] = 1
     segments = [Segment(ids[i].tolist(), mask[i].tolist(), [0.0] * 12, mask[i].tolist()) for i in (0, 1)]
     (batch,) = batching.micro_batches([Trajectory(RolloutInferRequest([]), segments)], torch.zeros(1), size=2, pad_id=0)
-    got, entropies = batching.token_logprobs(model, batch, temperature=0.7, chunk=3)
+    got, entropies = update.token_logprobs(model, batch, temperature=0.7, chunk=3)
     full = (model(ids).logits[:, :-1] / 0.7).log_softmax(-1)  # (2, 11, V)
     picked = mask[:, 1:].bool()
     assert torch.allclose(got[:, 1:][picked], full.gather(-1, ids[:, 1:, None])[..., 0][picked], atol=1e-5)
@@ -1888,7 +1892,7 @@ def logprobs_and_gradients(model, trajectories, share_prompt, size):
     batches = batching.micro_batches(trajectories, advantages, size=size, pad_id=0, share_prompt=share_prompt)
     found = {}
     for b in batches:
-        logprobs, _ = batching.token_logprobs(model, b, temperature=0.7)
+        logprobs, _ = update.token_logprobs(model, b, temperature=0.7)
         per_token, _, _ = grpo.token_loss(logprobs, logprobs.detach() + 0.05, b.advantages, b.loss_mask, beta=0.1,
                                           ref_logprobs=logprobs.detach() - 0.1)
         grpo.aggregate(per_token, b.loss_mask, b.trajectory_tokens, 'grpo', len(trajectories)).backward()
@@ -2097,14 +2101,14 @@ def max_gap(model, trajectories, temperature):
     gaps = []
     for t in trajectories:
         batch = one_batch(t).to(model.device)
-        logprobs, _ = batching.token_logprobs(model, batch, temperature)
+        logprobs, _ = update.token_logprobs(model, batch, temperature)
         gaps.append(((logprobs - batch.engine_logprobs).abs()[batch.loss_mask.bool()]).max().item())
     return max(gaps)
 
 
 def nudge(model, trajectory):
     """One large SGD step that raises the logprob of a trajectory's sampled tokens."""
-    (-batching.token_logprobs(model, one_batch(trajectory).to(model.device), 0.8)[0].sum()).backward()
+    (-update.token_logprobs(model, one_batch(trajectory).to(model.device), 0.8)[0].sum()).backward()
     torch.optim.SGD(model.parameters(), lr=5.0).step()
 
 
@@ -2263,7 +2267,8 @@ def test_server_mode_under_torchrun_pushes_the_weights_once_a_step(vllm_server, 
 def server_against_colocate(port, model_dir):
     """(server and colocated vLLM sample the same greedy tokens, stale gap after an update, gap after a push)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from engines import RolloutClient, VLLMEngine
+    from engines import VLLMEngine
+    from server import RolloutClient
     model, tokenizer = AutoModelForCausalLM.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
     client = RolloutClient(f'http://127.0.0.1:{port}', tokenizer, model.config, max_turns=2, max_completion_length=8,
                            pass_dataset=True, timeout=120)
@@ -2289,7 +2294,7 @@ def test_server_matches_colocate_greedy_and_takes_weight_pushes(vllm_server, tin
 @vllm_available
 def test_server_refuses_another_model_and_a_restart_is_caught(tmp_path, tiny_model_dir, tokenizer):
     from transformers import AutoConfig, AutoTokenizer, LlamaConfig, LlamaForCausalLM
-    from engines import RolloutClient
+    from server import RolloutClient
     other = tmp_path / 'other'
     LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=2, head_dim=64)).save_pretrained(other)
@@ -2405,7 +2410,6 @@ def fixed_steps(model_dir, out):
     torchrun started (or taken whole by one process). Rank 0 saves, per case, the parameters the
     step moved (COMPARED) and the logged loss."""
     import train
-    import update
     from transformers import AutoModelForCausalLM
     rank, world = train.start_processes(config.Args(rows_per_step=8, device='cpu'))
     generator = torch.Generator().manual_seed(0)
@@ -2434,7 +2438,8 @@ def fixed_steps(model_dir, out):
     block = list(range(rank * 8 // world, (rank + 1) * 8 // world))  # whole groups of 2 on each process
     for t, reward in zip(trajectories, [1, 0, 0, 0, 1, 1, 1, 0]):
         t.rollout_infos['total_reward'] = float(reward)
-    scores = train.score([trajectories[i] for i in block], [], [1.0], config.Args(scale_rewards='batch', num_generations=2))
+    scores = train.score_step([trajectories[i] for i in block], config.Task([], [], Env, [], [1.0]),
+                             config.Args(scale_rewards='batch', num_generations=2))
     advantages = train.gather(scores.advantages, world)  # --scale_rewards batch: the whole batch's std
     if rank == 0:
         torch.save({**results, 'batch': torch.cat(advantages)}, out)
@@ -2465,7 +2470,6 @@ def test_the_update_runs_where_the_model_is(tiny_model_dir):
     from torch.overrides import TorchFunctionMode
     from transformers import AutoModelForCausalLM
     import train
-    import update
 
     class OnMeta(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -14,12 +14,9 @@ success, its expert) come from its env class (env.py). LoRA (peft), several proc
 and a GPU are options: docs/speed-and-scaling.md.
 Left out: learning-rate schedules, reward models, FSDP/DeepSpeed.
 """
-import copy
 import dataclasses
-import json
 import os
 import random
-import shutil
 import sys
 import time
 
@@ -27,94 +24,22 @@ os.environ.setdefault('TORCH_CPP_LOG_LEVEL', 'ERROR')  # read as torch loads: qu
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from tqdm import tqdm  # noqa: E402
+
 import arithmetic  # noqa: F401,E402  (registers envs['arithmetic'] and tools['calculator'])
 import frozen_lake  # noqa: F401,E402  (registers envs['frozen_lake'] and its rewards)
 import grpo  # noqa: E402
-from config import Args, check_args, parse_args  # noqa: E402
-from engines import Colocated, RolloutClient, embedded_model, make_engine, quiet  # noqa: E402
+from config import Args, Task, check_args, parse_args  # noqa: E402
+from engines import Colocated, make_engine  # noqa: E402
 from env import UserError  # noqa: E402
-from logs import RunLog  # noqa: E402
+from logs import RunLog, success_interval, tool_use, valid_share  # noqa: E402
+from models import frozen, load_models, pick_device, quiet, save_checkpoint  # noqa: E402
 from scheduler import ExpertScheduler, make_scheduler  # noqa: E402
+from server import RolloutClient  # noqa: E402
 from update import train_step  # noqa: E402
 
 
 # ------------------------------------------------------------ models, rollouts, checkpoints
-
-def load_policy(path: str, args: Args, device: torch.device):
-    """The model at `path` on `device`, a full model folder or a LoRA adapter folder (its base
-    named in adapter_config.json); with --tuner_type lora a full model gets fresh adapters (peft).
-    The weights are fp32 whatever --torch_dtype says (update.precision)."""
-    from transformers import AutoModelForCausalLM
-    adapter = os.path.join(path, 'adapter_config.json')
-    base = json.load(open(adapter))['base_model_name_or_path'] if os.path.exists(adapter) else path
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
-    if os.path.exists(adapter):
-        from peft import PeftModel
-        model = PeftModel.from_pretrained(model, path, is_trainable=True)
-    elif args.tuner_type == 'lora':
-        from peft import LoraConfig, get_peft_model
-        torch.manual_seed(args.seed)  # peft draws lora_A at random: the same on every process
-        target = 'all-linear' if args.target_modules == ['all-linear'] else args.target_modules
-        model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
-                                                 target_modules=target, task_type='CAUSAL_LM'))
-    return model.to(device)
-
-
-def pick_device(choice: str) -> torch.device:
-    """--device auto: CUDA where torch sees it (under torchrun, this process's GPU), else CPU."""
-    if choice == 'cuda' or (choice == 'auto' and torch.cuda.is_available()):
-        return torch.device('cuda', int(os.environ.get('LOCAL_RANK', 0)))
-    return torch.device('cpu')
-
-
-def load_models(args: Args, rank: int = 0):
-    """(tokenizer, model, reference model or None, optimizer, first step), on --device. On
-    --resume the model and optimizer come from the checkpoint. The KL anchor (--beta) is the model
-    GRPO starts from: --model (with LoRA: the same model, its adapters off, so None here), or
-    after a warm start the warm-started model (`frozen`; on --resume, checkpoint-0)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    start, device = args.model or embedded_model(), pick_device(args.device)
-    path, state = start, None
-    if args.resume:
-        latest = os.path.join(args.output_dir, 'latest')
-        if not os.path.exists(latest):
-            raise UserError(f'--resume: no checkpoint in {args.output_dir}')
-        path = os.path.join(args.output_dir, open(latest).read().strip())
-        state = torch.load(os.path.join(path, 'trainer_state.pt'), map_location='cpu')
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise UserError(f'--model {path}: cannot load: {str(e).splitlines()[0]}') from None
-    if tokenizer.pad_token is None:  # padding only fills batches: any token will do (as TRL)
-        tokenizer.pad_token = tokenizer.eos_token
-    model = load_policy(path, args, device)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=0.0)
-    if state and 'optimizer' in state:  # (none with --save_only_model: AdamW starts afresh)
-        optimizer.load_state_dict(state['optimizer'])
-        for group in optimizer.param_groups:  # the saved state brings its rate: --learning_rate
-            group['lr'] = args.learning_rate
-    if rank == 0:
-        total = sum(p.numel() for p in model.parameters())
-        print(f'model: {start} ({args.tuner_type}), trainable parameters: '
-              f'{sum(p.numel() for p in trainable):,} of {total:,}'
-              + (f"\nresumed from {path} at step {state['step']}" if state else ''))
-    ref_model, warm = None, os.path.join(args.output_dir, 'checkpoint-0')
-    if args.beta and args.resume and os.path.exists(warm):
-        ref_model = frozen(load_policy(warm, args, device))
-    elif args.beta and not hasattr(model, 'peft_config'):
-        ref_model = frozen(AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32).to(device))
-    return tokenizer, model, ref_model, optimizer, state['step'] if state else 0
-
-
-def frozen(model):
-    """A copy of `model` as it is now, LoRA adapters merged in, that never trains: a KL anchor."""
-    ref = copy.deepcopy(model)
-    ref = ref.merge_and_unload() if hasattr(ref, 'merge_and_unload') else ref
-    return ref.eval().requires_grad_(False)
-
 
 def make_rollouts(args: Args, model, tokenizer, rank: int = 0):
     """The rollout source: the rollout server (server mode) or an engine in this process."""
@@ -137,28 +62,6 @@ def make_rollouts(args: Args, model, tokenizer, rank: int = 0):
     if hasattr(model, 'peft_config'):  # the engine loaded the base model; the adapters may not be 0
         source.load_weights(model)
     return source
-
-
-def save_checkpoint(model, tokenizer, optimizer, step: int, args: Args):
-    """Write checkpoint-STEP in --output_dir beside the old one, then flip `latest` to it with an
-    atomic rename: a kill at any moment leaves `latest` pointing at a whole checkpoint."""
-    output_dir, only_model = args.output_dir, args.save_only_model
-    final = os.path.join(output_dir, f'checkpoint-{step}')
-    tmp = final + '.tmp'
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    state = {'step': step} if only_model else {'step': step, 'optimizer': optimizer.state_dict()}
-    torch.save(state, os.path.join(tmp, 'trainer_state.pt'))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    latest = os.path.join(output_dir, 'latest')
-    with open(latest + '.tmp', 'w') as f:
-        f.write(os.path.basename(final))
-    os.replace(latest + '.tmp', latest)
-    for old in os.listdir(output_dir):  # keep the newest checkpoint, and a warm start's
-        if old.startswith('checkpoint-') and old not in (os.path.basename(final), 'checkpoint-0'):
-            shutil.rmtree(os.path.join(output_dir, old), ignore_errors=True)
 
 
 # ------------------------------------------------------------------------- 0. the warm start
@@ -201,23 +104,24 @@ def warm_start(model, source, rows, args: Args, tokenizer, rank=0, world=1):
 
 # -------------------------------------------------------------------------------- the loop
 
-def collect(source, rows, step: int, args: Args, names, weights, rank: int = 0, world: int = 1):
+def collect(source, task: Task, step: int, args: Args, rank: int = 0, world: int = 1):
     """Step 1: this step's rows (this process's share of them) -> groups of trajectories. With
     --dynamic_sample (DAPO), groups without reward spread are replaced by groups of fresh rows, for
     at most --max_resample_times more rollout rounds; if too few are found, the last groups without
     spread fill the batch up again, so that it keeps its size. Each process draws its fresh rows
     from its own share of the rows the step did not pick. A group is informative when some
     advantage is not 0 (with gigpo: of a turn). Returns (trajectories, rounds used)."""
+    rows, g = task.rows, args.num_generations
     rng = random.Random(args.seed * 100_003 + step)  # a step's rows depend on --seed and step only
-    chosen, g = rng.sample(range(len(rows)), args.rows_per_step), args.num_generations
+    chosen = rng.sample(range(len(rows)), args.rows_per_step)
     trajectories = source.rollout([rows[i] for i in chosen[rank::world]], g, args.temperature)
     if not args.dynamic_sample:
         return trajectories, 0
     wanted = len(trajectories) // g
     unused = [i for i in range(len(rows)) if i not in set(chosen)][rank::world]  # each rank's own
-    rng, informative, flat = random.Random(rng.random() + rank), [], []
+    rng, informative, flat = random.Random(rng.random() + rank), [], []  # a stream per process
     for rounds in range(args.max_resample_times + 1):
-        per_turn = score(trajectories, names, weights, args, gather_std=False).turn_advantages
+        per_turn = score_step(trajectories, task, args, gather_std=False).turn_advantages
         for k in range(0, len(trajectories), g):
             (informative if per_turn[k:k + g].any() else flat).append(trajectories[k:k + g])
         if len(informative) >= wanted or rounds == args.max_resample_times or not unused:
@@ -225,6 +129,7 @@ def collect(source, rows, step: int, args: Args, names, weights, rank: int = 0, 
         fresh = rng.sample(unused, min(wanted - len(informative), len(unused)))
         unused = [i for i in unused if i not in fresh]
         trajectories = source.rollout([rows[i] for i in fresh], g, args.temperature)
+    # the informative groups first, then the flat ones (the newest first) to keep the batch's size
     return sum((informative + flat[::-1])[:wanted], []), rounds
 
 
@@ -253,10 +158,10 @@ def gather(item, world: int):
     return items
 
 
-def score(trajectories, names, weights, args: Args, gather_std: bool = True) -> grpo.Scores:
-    """Step 2, with this run's flags; --scale_rewards batch takes the std of every process's
-    rewards (not with gather_std False: `collect`, whose rounds differ from process to process)."""
-    batch_std = None
+def score_step(trajectories, task: Task, args: Args, gather_std: bool = True) -> grpo.Scores:
+    """Step 2 (grpo.score) with this run's flags; --scale_rewards batch takes the std of every
+    process's rewards (not with gather_std False: `collect`, whose rounds differ by process)."""
+    names, weights, batch_std = task.reward_names, task.reward_weights, None
     if gather_std and args.scale_rewards == 'batch' and dist.is_initialized():
         reward = grpo.rewards(trajectories, names, weights, args.use_gym_env)[1]  # (N,)
         everyone = [None] * dist.get_world_size()
@@ -270,40 +175,64 @@ def score(trajectories, names, weights, args: Args, gather_std: bool = True) -> 
                       gamma=args.gamma, batch_std=batch_std)
 
 
-def evaluation(log: RunLog, source, rows, env_cls, args: Args, step: int, tag: str):
-    """A held-out evaluation on rank 0 (the others wait); none without held-out rows."""
-    result = log.evaluation(step, tag, source, rows, env_cls, args.eval_temperature,
-                            chunk=args.rows_per_step * args.num_generations) if rows else None
+def evaluate(source, task: Task, args: Args) -> dict:
+    """One game per held-out row at --eval_temperature (0: greedy), played a training step's batch
+    at a time (what fits the engine's KV cache; all at once would not, and it would recompute
+    what turns share): the keys of a step's record, and success with its Wilson 95% interval
+    where the env says what success is."""
+    games, chunk = [], args.rows_per_step * args.num_generations
+    for i in tqdm(range(0, len(task.eval_rows), chunk), desc='eval', unit='chunk', leave=False):
+        games += source.rollout(task.eval_rows[i:i + chunk], 1, args.eval_temperature)
+    columns, rewards = grpo.rewards(games, task.reward_names, task.reward_weights, args.use_gym_env)
+    names = task.reward_names + ['gym'] * args.use_gym_env
+    result = {'reward': rewards.mean().item(),
+              **{f'reward/{n}': columns[:, k].mean().item() for k, n in enumerate(names)},
+              'valid_actions': valid_share(games), **tool_use(games),
+              'turns': sum(t.num_turns for t in games) / len(games)}
+    wins = [task.env_cls.is_success(t.rollout_infos) for t in games]
+    if None not in wins:
+        low, high = success_interval(sum(wins), len(wins))
+        result.update(success=sum(wins) / len(wins), success_low=low, success_high=high)
+    return {**result, 'examples': games[:2], 'games': [t.rollout_infos for t in games[:4]]}
+
+
+def evaluation(log: RunLog, source, task: Task, args: Args, step: int, tag: str):
+    """A held-out evaluation on rank 0, logged (the others wait); none without held-out rows."""
+    result = None
+    if task.eval_rows and log.active:
+        t0 = time.time()
+        result = evaluate(source, task, args)
+        log.evaluation(step, tag, result, time.time() - t0)
     if dist.is_initialized():
         dist.barrier()
     return result
 
 
 def main(args: Args):
-    rows, eval_rows, env_cls, names, weights = check_args(args)  # every input check, before a model
+    task = check_args(args)  # every input check, before a model loads
     rank, world = start_processes(args)
     quiet()
     torch.manual_seed(args.seed + rank)  # the transformers engine's sampling; vLLM takes --seed
     tokenizer, model, ref_model, optimizer, start = load_models(args, rank)
     source = make_rollouts(args, model, tokenizer, rank)
-    log = RunLog(args.output_dir, tokenizer, names + ['gym'] * args.use_gym_env, args.gym_env,
-                 args.report_to, active=rank == 0)
+    log = RunLog(args.output_dir, tokenizer, task.reward_names + ['gym'] * args.use_gym_env,
+                 args.gym_env, args.report_to, active=rank == 0)
     warm = args.warm_start_steps if not args.resume else 0  # its steps are -warm + 1, ..., 0
-    before = evaluation(log, source, eval_rows, env_cls, args, start - warm, 'before')
+    before = evaluation(log, source, task, args, start - warm, 'before')
     if args.eval_only:
         return before
     if warm:  # ---- 0. a warm start on the env's expert ----
-        warm_start(model, source, rows, args, tokenizer, rank, world)
+        warm_start(model, source, task.rows, args, tokenizer, rank, world)
         ref_model = frozen(model) if args.beta else None  # GRPO's anchor: where it starts
-        if rank == 0:  # kept as checkpoint-0 (never deleted): GRPO resumes from it, or it is the model
+        if rank == 0:  # kept as checkpoint-0 (never deleted): GRPO resumes from it, or it's the model
             save_checkpoint(model, tokenizer, optimizer, 0, args)
         if args.eval_steps and args.max_steps:  # step 0 of --eval_steps: after the warm start
-            evaluation(log, source, eval_rows, env_cls, args, 0, 'during')
+            evaluation(log, source, task, args, 0, 'during')
     for step in log.progress(range(start + 1, args.max_steps + 1), start, args.max_steps):
         t0 = time.time()  # ---- 1. rollout: this step's rows, a group of trajectories each ----
-        trajectories, rounds = collect(source, rows, step, args, names, weights, rank, world)
+        trajectories, rounds = collect(source, task, step, args, rank, world)
         t1 = time.time()  # ---- 2. rewards and advantages ----
-        scores = score(trajectories, names, weights, args)
+        scores = score_step(trajectories, task, args)
         source.sleep()  # ---- 3. update, on the trajectories that train ----
         stats = train_step(model, ref_model, optimizer, trajectories, scores, args,
                            tokenizer.pad_token_id)
@@ -315,13 +244,13 @@ def main(args: Args):
                      sync_s=time.time() - t2)
         log.step(step, gather((trajectories, scores, stats), world), args.num_generations)
         if args.eval_steps and step % args.eval_steps == 0 and step != args.max_steps:
-            evaluation(log, source, eval_rows, env_cls, args, step, 'during')
+            evaluation(log, source, task, args, step, 'during')
         if rank == 0 and (step % args.save_steps == 0 or step == args.max_steps):
             save_checkpoint(model, tokenizer, optimizer, step, args)
         if world > 1:
             dist.barrier()  # a resume finds the checkpoint whole on every process
-    after = evaluation(log, source, eval_rows, env_cls, args, args.max_steps, 'after')
-    log.finish(before, after, env_cls)
+    after = evaluation(log, source, task, args, args.max_steps, 'after')
+    log.finish(before, after, task.env_cls)
     return after
 
 

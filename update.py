@@ -16,6 +16,7 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 import batching
 import grpo
@@ -92,7 +93,7 @@ def one_pass(model, batches, old, ref, is_weights, denominator: float, args: Arg
     sums = torch.zeros(len(SUMS), dtype=torch.float64, device=model.device)
     for k, b in enumerate(batches):
         with precision(args, model.device):
-            logprobs, entropies = batching.token_logprobs(model, b, args.temperature)  # (b, T)
+            logprobs, entropies = token_logprobs(model, b, args.temperature)  # (b, T)
         old_k = old[k] if old else logprobs.detach()  # one pass: logp_old is logp itself, ratio 1
         over = torch.zeros_like(b.loss_mask, dtype=torch.bool)
         if args.rollout_importance_sampling_mode and is_weights[k] is None:
@@ -113,6 +114,40 @@ def one_pass(model, batches, old, ref, is_weights, denominator: float, args: Arg
     return sums
 
 
+def token_logprobs(model, batch: batching.MicroBatch, temperature: float = 1.0, chunk: int = 256):
+    """(logprobs, entropies), both (b, T): each sampled token's log-probability under the model,
+    softmax(logits / temperature), and the entropy of that distribution at its position (what
+    TRL logs as `entropy`); 0 where loss_mask is 0. The entropies carry no gradient.
+
+    The vocabulary is large (49,152 for SmolLM2), so logits are computed only where a token was
+    sampled, `chunk` rows at a time under activation checkpointing: memory is then chunk x vocab,
+    not batch x length x vocab.
+    """
+    # BEGIN SOLUTION exercise 4: token logprobs
+    hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                                 position_ids=batch.position_ids,
+                                 use_cache=False).last_hidden_state  # (R, P, H)
+    picked = batch.loss_mask.bool()  # (b, T)
+    h = hidden.flatten(0, 1)[batch.predictor[picked]]  # (M, H): what predicts each sampled token
+    targets = batch.targets[picked]  # (M,)
+    head = model.get_output_embeddings()
+
+    def chunk_logprobs(h, targets):
+        logp = (head(h).float() / temperature).log_softmax(-1)  # (c, V)
+        entropy = -(logp.exp() * logp).sum(-1)  # (c,)
+        return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy  # (c,), (c,)
+
+    pieces = [checkpoint(chunk_logprobs, h[i:i + chunk], targets[i:i + chunk], use_reentrant=False)
+              for i in range(0, len(targets), chunk)]
+    logprobs = torch.zeros(batch.targets.shape, device=batch.targets.device)  # (b, T), float32
+    entropies = torch.zeros_like(logprobs)
+    if pieces:
+        logprobs[picked] = torch.cat([p[0] for p in pieces])
+        entropies[picked] = torch.cat([p[1] for p in pieces]).detach()
+    return logprobs, entropies
+    # END SOLUTION
+
+
 def anchors(model, ref_model, batches, args: Args):
     """(logp_old, the KL anchor's logprobs), per micro-batch, without gradients; None when not
     needed: logp_old (the policy before this step) only with --num_iterations > 1, the anchor
@@ -120,10 +155,10 @@ def anchors(model, ref_model, batches, args: Args):
     old, ref = None, None
     with torch.no_grad(), precision(args, model.device):
         if args.num_iterations > 1:
-            old = [batching.token_logprobs(model, b, args.temperature)[0] for b in batches]
+            old = [token_logprobs(model, b, args.temperature)[0] for b in batches]
         if args.beta:
             with model.disable_adapter() if ref_model is None else contextlib.nullcontext():
-                ref = [batching.token_logprobs(ref_model or model, b, args.temperature)[0]
+                ref = [token_logprobs(ref_model or model, b, args.temperature)[0]
                        for b in batches]
     return old, ref
 
@@ -133,7 +168,7 @@ def measure(model, batches, args: Args) -> torch.Tensor:
     sums = torch.zeros(len(SUMS), dtype=torch.float64, device=model.device)
     with torch.no_grad(), precision(args, model.device):
         for b in batches:
-            logprobs, entropies = batching.token_logprobs(model, b, args.temperature)
+            logprobs, entropies = token_logprobs(model, b, args.temperature)
             sums[3:5] += torch.stack([(entropies * b.loss_mask).sum(), gap(logprobs, b)]).double()
     return sums
 

