@@ -114,6 +114,9 @@ class Args:
     temperature: float = flag(0.8, 'sampling temperature of training rollouts (> 0)')
     max_completion_length: int = flag(16, 'most tokens in one reply')
     learning_rate: float = flag(2e-5, 'AdamW learning rate')
+    warmup_ratio: float = flag(0.0, 'share of --max_steps over which the rate rises linearly to '
+                                    "--learning_rate (then constant): a fresh AdamW's first "
+                                    'steps are as large as its rate, whatever the gradient')
     micro_batch_size: int = flag(8, 'segments (trajectories, unless a scheduler rewrote history) '
                                     'per forward/backward: memory, not math')
     share_prompt: bool = flag(True, "compute each prefix the micro-batch's segments share (a "
@@ -274,6 +277,8 @@ def check_args(args: Args) -> Task:
         if importlib.util.find_spec(name) is None:
             raise UserError(f'--report_to {name}: the package {name} is not installed '
                             f'(pip install {name})')
+    if not 0 <= args.warmup_ratio <= 1:
+        raise UserError(f'--warmup_ratio {args.warmup_ratio}: must be in [0, 1]')
     if not 0 <= args.split_dataset_ratio < 1:
         raise UserError(f'--split_dataset_ratio {args.split_dataset_ratio}: must be in [0, 1)')
     for name, choices in CHOICES.items():

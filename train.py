@@ -234,6 +234,9 @@ def main(args: Args):
         t1 = time.time()  # ---- 2. rewards and advantages ----
         scores = score_step(trajectories, task, args)
         source.sleep()  # ---- 3. update, on the trajectories that train ----
+        ramp = max(1.0, args.warmup_ratio * args.max_steps)  # --warmup_ratio's steps
+        for group in optimizer.param_groups:
+            group['lr'] = args.learning_rate * min(1.0, step / ramp)
         stats = train_step(model, ref_model, optimizer, trajectories, scores, args,
                            tokenizer.pad_token_id)
         source.wake_up()
