@@ -295,6 +295,8 @@ def check_args(args: Args) -> Task:
     plays_env = issubclass(multi_turns[args.multi_turn_scheduler], GYMScheduler)
     env_cls = envs[args.gym_env] if plays_env else Env
     rows = load_dataset(args.dataset, args.gym_env, plays_env)
+    if hasattr(multi_turns[args.multi_turn_scheduler], 'check_rows'):  # e.g. its servers answer
+        multi_turns[args.multi_turn_scheduler].check_rows(rows)
     names, weights = reward_setup(args, env_cls, rows, args.dataset)
     if args.warm_start_steps and not plays_env:
         raise UserError(f'--warm_start_steps {args.warm_start_steps}: the warm start plays the '

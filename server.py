@@ -34,6 +34,7 @@ from pydantic import BaseModel, Field, ValidationError
 import config
 import arithmetic  # noqa: F401  (registers envs['arithmetic'] and tools['calculator'])
 import frozen_lake  # noqa: F401  (registers envs['frozen_lake'])
+import openenv_gym  # noqa: F401  (registers multi_turns['openenv_scheduler'])
 from env import RolloutInferRequest, UserError, env_name, envs
 from scheduler import make_scheduler, requests_for
 from trajectory import Segment, Trajectory

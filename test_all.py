@@ -38,6 +38,7 @@ from engines import Colocated, Completion, Engine
 from env import Env, RolloutInferRequest, UserError, envs, load_dataset, load_plugins, orms, reward_funcs
 from frozen_lake import MOVES, generate_random_map, parse_action, shortest_path
 import logs
+import openenv_gym  # noqa: F401  (registers multi_turns['openenv_scheduler'])
 import tools
 import update
 from scheduler import ExpertScheduler, GYMScheduler, HintScheduler, MultiTurnScheduler, multi_turns, requests_for, rollout
@@ -2321,6 +2322,169 @@ def test_server_refuses_another_model_and_a_restart_is_caught(tmp_path, tiny_mod
             client.rollout([{'messages': []}], 2, 1.0)
     finally:
         proc.kill()
+
+
+# ---------------------------------------------------------------- slow: envs served by OpenEnv (a real server process)
+
+OPENENV_PYTHON = os.path.join(HERE, '.venv-openenv', 'bin', 'python')
+openenv_available = pytest.mark.skipif(not os.path.exists(OPENENV_PYTHON), reason=(
+    'no .venv-openenv: the OpenEnv server lives in a venv of its own (its MCP pin clashes with vLLM\'s): '
+    'python3 -m venv .venv-openenv && .venv-openenv/bin/pip install openenv==0.10.0'))
+
+
+@contextlib.contextmanager
+def openenv_server(max_concurrent_envs=16):
+    """`python openenv_gym.py` serving FrozenLake on a free port, in OpenEnv's own venv: its URL."""
+    port = free_port()
+    proc = subprocess.Popen([OPENENV_PYTHON, 'openenv_gym.py', '--port', str(port), '--max_concurrent_envs',
+                             str(max_concurrent_envs)], cwd=HERE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        wait_healthy(port, proc, timeout=120)
+        yield f'http://127.0.0.1:{port}'
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def open_sessions(url):
+    with urllib.request.urlopen(url + '/sessions', timeout=10) as answer:
+        return json.loads(answer.read())['open']
+
+
+def served_rows(url, seeds, **env_config):
+    return [{'messages': [], 'env_config': {'base_url': url, 'reset_kwargs': {'seed': s, **env_config}}} for s in seeds]
+
+
+@slow
+@openenv_available
+def test_a_served_env_plays_the_games_of_the_env_in_process(tokenizer):
+    with openenv_server() as url:
+        engine = ScriptedEngine(tokenizer, bfs_policy)
+        served = rollout(openenv_gym.OpenEnvScheduler(engine, 10, tokenizer=tokenizer), requests_for(served_rows(url, range(6)), 2))
+        local = rollout(gym(tokenizer, bfs_policy), requests_for([{'messages': [], 'env_config': {'seed': s}}
+                                                                  for s in range(6)], 2))
+        assert [t.messages for t in served] == [t.messages for t in local]  # system message, boards, replies
+        assert [t.rollout_infos['total_reward'] for t in served] == [t.rollout_infos['total_reward'] for t in local]
+        assert [t.rollout_infos['step_rewards'] for t in served] == [t.rollout_infos['step_rewards'] for t in local]
+        assert [s.token_ids for t in served for s in t.segments] == [s.token_ids for t in local for s in t.segments]
+        time.sleep(0.5)
+        assert open_sessions(url) == 0, 'a session of a finished game is still open'
+
+
+class LosesSessionTwo:
+    """A scheduler whose second trajectory loses its connection before its second move."""
+    def on_turn_end(self, infer_request, response_choice, current_turn):
+        uuids = list(self._envs)
+        if current_turn == 2 and uuids[1:2] == [infer_request.uuid]:
+            self._envs[infer_request.uuid].ws.close()
+        return super().on_turn_end(infer_request, response_choice, current_turn)
+
+
+@slow
+@openenv_available
+def test_served_sessions_close_however_a_game_ends(tokenizer, monkeypatch):
+    with openenv_server(max_concurrent_envs=4) as url:
+        wander = ScriptedEngine(tokenizer, lambda text: 'I do not know')  # every game cut by --max_turns
+        games = rollout(openenv_gym.OpenEnvScheduler(wander, 3, tokenizer=tokenizer), requests_for(served_rows(url, [0]), 3))
+        assert [t.stop_reason for t in games] == ['max_turns'] * 3 and open_sessions(url) == 0
+        # a session lost mid-game ends its own trajectory as an env error; the others play on
+        losing = type('Losing', (LosesSessionTwo, openenv_gym.OpenEnvScheduler), {})(
+            ScriptedEngine(tokenizer, lambda text: '<action>right</action>'), 4, tokenizer=tokenizer)
+        games = rollout(losing, requests_for(served_rows(url, [0]), 3))
+        assert [t.stop_reason for t in games] == ['max_turns', 'error', 'max_turns'], games[1].rollout_infos
+        assert 'step 2' in games[1].rollout_infos['error']
+        # a rollout cancelled mid-game
+        slow_engine = ScriptedEngine(tokenizer, lambda text: '<action>right</action>', delay=1.0)
+
+        async def cancelled():
+            task = asyncio.ensure_future(openenv_gym.OpenEnvScheduler(slow_engine, 5, tokenizer=tokenizer).run_multi_turn(
+                requests_for(served_rows(url, [0]), 2)))
+            await asyncio.sleep(1.5)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        asyncio.run(cancelled())
+        # fewer sessions than the trajectories: the extra ones are told why, the rest play, nothing hangs
+        monkeypatch.setattr(openenv_gym.OpenEnvWrapper, 'retries', 1)
+        games = rollout(openenv_gym.OpenEnvScheduler(wander, 2, tokenizer=tokenizer), requests_for(served_rows(url, [0]), 6))
+        errors = [t.rollout_infos['error'] for t in games if t.stop_reason == 'error']
+        assert len(errors) == 2 and all('CAPACITY_REACHED' in e for e in errors), errors
+        time.sleep(0.5)
+        assert open_sessions(url) == 0, 'sessions left open'
+
+
+def test_a_server_that_does_not_answer_is_named_before_a_model_loads(tmp_path):
+    url = f'http://127.0.0.1:{free_port()}'
+    (tmp_path / 'rows.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in served_rows(url, range(4))))
+    with pytest.raises(UserError, match=f'the OpenEnv server at {url} does not answer'):
+        config.check_args(config.parse_args(['--multi_turn_scheduler', 'openenv_scheduler', '--use_gym_env', 'true',
+                                             '--dataset', str(tmp_path / 'rows.jsonl')]))
+
+
+SUDOKU_STYLE = '''
+import asyncio
+from openenv_gym import OpenEnvScheduler, multi_turns  # in ms-swift: from swift.rollout.multi_turn import ...
+
+
+class MoveScheduler(OpenEnvScheduler):
+    """Written as ms-swift's sudoku_scheduler.py is: its own resets, steps, parsing and formatting."""
+    async def on_trajectory_start(self, requests):
+        for req in requests:
+            self._envs[req.uuid] = wrapper = self._create_env(req.data_dict['env_config'])
+            obs, _ = await asyncio.to_thread(wrapper.reset)
+            req.messages = [{'role': 'user', 'content': self.format_observation(obs)}]
+            self._total_rewards[req.uuid], self._step_rewards[req.uuid] = 0.0, []
+
+    async def on_turn_end(self, req, response_choice, current_turn):
+        wrapper = self._envs[req.uuid]
+        obs, reward, done, _ = await asyncio.to_thread(wrapper.step, self.parse_action(response_choice.message.content))
+        self._total_rewards[req.uuid] += reward
+        self._pending_obs[req.uuid] = None if done else self.format_observation(obs)
+        if done:
+            await self._close_and_remove(req.uuid)
+        return {'done': done, 'rollout_infos': {'total_reward': self._total_rewards.get(req.uuid, reward)}}
+
+    def parse_action(self, text):
+        return {'message': '<action>' + text.strip().split()[-1] + '</action>'}
+
+    def format_observation(self, obs):
+        return obs['prompt'] + ' Say one word: up, down, left or right.'
+
+
+multi_turns['move_scheduler'] = MoveScheduler
+'''
+
+
+@slow
+@openenv_available
+def test_an_openenv_scheduler_written_for_ms_swift_runs_here(tokenizer, tmp_path):
+    (tmp_path / 'moves.py').write_text(SUDOKU_STYLE)
+    load_plugins([str(tmp_path / 'moves.py')])
+    with openenv_server() as url:
+        scheduler = multi_turns['move_scheduler'](ScriptedEngine(tokenizer, lambda text: 'I go right'), 3, tokenizer=tokenizer)
+        games = rollout(scheduler, requests_for(served_rows(url, [0]), 2))
+        assert all(t.messages[0]['content'].endswith('Say one word: up, down, left or right.') for t in games)
+        assert all(t.num_turns >= 1 for t in games)
+        time.sleep(0.5)
+        assert open_sessions(url) == 0
+
+
+@slow
+@openenv_available
+def test_train_through_a_served_env(tmp_path, tiny_model_dir):
+    with openenv_server() as url:
+        (tmp_path / 'rows.jsonl').write_text(''.join(json.dumps(r) + '\n' for r in served_rows(url, range(20))))
+        run = subprocess.run([sys.executable, 'train.py', '--model', tiny_model_dir, '--multi_turn_scheduler',
+                              'openenv_scheduler', '--dataset', str(tmp_path / 'rows.jsonl'), '--engine', 'hf',
+                              '--output_dir', str(tmp_path / 'out'), '--max_steps', '2', '--rows_per_step', '2',
+                              '--num_generations', '2', '--max_turns', '2', '--max_completion_length', '8',
+                              '--eval_size', '2', '--learning_rate', '1e-3'], cwd=HERE, capture_output=True, text=True,
+                             timeout=600)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+        steps = step_records(tmp_path / 'out')
+        assert len(steps) == 2 and all(m['env_errors'] == 0 for m in steps)
+        time.sleep(0.5)
+        assert open_sessions(url) == 0
 
 
 # ---------------------------------------------------------------- slow: LoRA, several processes

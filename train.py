@@ -28,6 +28,7 @@ from tqdm import tqdm  # noqa: E402
 
 import arithmetic  # noqa: F401,E402  (registers envs['arithmetic'] and tools['calculator'])
 import frozen_lake  # noqa: F401,E402  (registers envs['frozen_lake'] and its rewards)
+import openenv_gym  # noqa: F401,E402  (registers multi_turns['openenv_scheduler'])
 import grpo  # noqa: E402
 from config import Args, Task, check_args, parse_args  # noqa: E402
 from engines import Colocated, make_engine  # noqa: E402
