@@ -182,7 +182,7 @@ def score(trajectories, names, weights, *, use_gym_env: bool, group_size: int, b
           estimator: str = 'grpo', scale: str = 'group', overlong_filter: bool = False,
           step_advantage_w: float = 1.0, gamma: float = 0.95, batch_std: float = None) -> Scores:
     """batch_std: with scale 'batch' under several processes, the std of every process's valid
-    rewards (train.score gathers them, as ms-swift does), which replaces this process's own."""
+    rewards (train.score_step gathers them, as ms-swift does), which replaces this process's own."""
     columns, reward = rewards(trajectories, names, weights, use_gym_env)  # (N, K), (N,)
     ok = valid_mask(trajectories)
     centre = 'rloo' if estimator == 'rloo' else 'grpo'

@@ -4,7 +4,8 @@ Every solution region in the sources, the lines between
     # BEGIN SOLUTION exercise N: title
     # END SOLUTION
 becomes `raise NotImplementedError('exercise N: title (EXERCISES.md)')`, and everything else is
-copied as it is (the files git tracks, and new ones it does not ignore). In the copy, each
+copied as it is (the files git tracks, and new ones it does not ignore), with worked_step.txt,
+the reference's `worked_step.py` tables to check one's own against. In the copy, each
 exercise's tests fail with that message until the student writes the part; the rest pass
 (test_all.py checks both, so the markers and the exercises cannot drift apart).
 """
@@ -62,7 +63,11 @@ def main(argv=None):
             data = blank(text, name).encode()
         open(target, 'wb').write(data)
         os.chmod(target, os.stat(source).st_mode)
-    print(f'wrote {out}: {regions} solution regions left to the student')
+    tables = subprocess.run([sys.executable, 'worked_step.py'], cwd=here, capture_output=True,
+                            text=True, check=True).stdout  # what exercises 1-3 and 6 compute
+    open(os.path.join(out, 'worked_step.txt'), 'w').write(tables)
+    print(f'wrote {out}: {regions} solution regions left to the student; worked_step.txt holds '
+          'the reference answers to exercises 1-3 and 6 at work on one group')
 
 
 if __name__ == '__main__':

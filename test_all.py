@@ -975,12 +975,14 @@ def test_help_works(program):
 
 def test_worked_step_prints_each_formula():
     run = subprocess.run([sys.executable, 'worked_step.py'], cwd=HERE, capture_output=True, text=True, timeout=120)
-    if 'NotImplementedError: exercise' in run.stderr:  # a student copy
-        pytest.skip(f"worked_step.py runs the solutions of exercises 1-3 and 6: {run.stderr.splitlines()[-1]}")
-    assert run.returncode == 0, run.stderr
+    printed = run.stdout
+    if run.returncode and 'The reference tables: worked_step.txt' in run.stderr:  # a student copy: it has them
+        printed = open(os.path.join(HERE, 'worked_step.txt')).read()
+    else:
+        assert run.returncode == 0, run.stderr
     for part in ('1. Reward', '2. Advantage', 'gigpo adds', '3. First pass', '5. The weight', 'A second pass'):
-        assert part in run.stdout, part
-    assert f'{1 / 68:.4f}' in run.stdout  # bnpo: each of the 68 sampled tokens weighs 1/68
+        assert part in printed, part
+    assert f'{1 / 68:.4f}' in printed  # bnpo: each of the 68 sampled tokens weighs 1/68
 
 
 def test_help_shows_the_true_defaults():
@@ -2555,12 +2557,12 @@ def test_train_lora_end_to_end_resume_evaluate_and_merge(tmp_path, tiny_model_di
 
 @slow
 def test_fresh_lora_adapters_are_the_same_on_every_process(tiny_model_dir):
-    import train
+    import models
     args = config.Args(tuner_type='lora', lora_rank=4)
     adapters = []
     for rank in (0, 1):
         torch.manual_seed(args.seed + rank)  # as train.main seeds each process
-        model = train.load_policy(tiny_model_dir, args, torch.device('cpu'))
+        model = models.load_policy(tiny_model_dir, args, torch.device('cpu'))
         adapters.append({k: v for k, v in model.state_dict().items() if 'lora_A' in k})
     assert adapters[0] and all(torch.equal(v, adapters[1][k]) for k, v in adapters[0].items())
 
@@ -2633,7 +2635,7 @@ def test_the_update_runs_where_the_model_is(tiny_model_dir):
     import torch.fx.experimental._config as fx_config
     from torch.overrides import TorchFunctionMode
     from transformers import AutoModelForCausalLM
-    import train
+    import models
 
     class OnMeta(TorchFunctionMode):
         def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -2655,7 +2657,7 @@ def test_the_update_runs_where_the_model_is(tiny_model_dir):
         for tuner, ref_model in (('full', AutoModelForCausalLM.from_pretrained(tiny_model_dir).to(meta)), ('lora', None)):
             args = config.Args(tuner_type=tuner, beta=0.1, num_iterations=2, micro_batch_size=2, max_turns=2,
                                rollout_importance_sampling_mode='token_truncate', lora_rank=2)
-            model = train.load_policy(tiny_model_dir, args, meta)
+            model = models.load_policy(tiny_model_dir, args, meta)
             assert all(p.device == meta for p in model.parameters())
             optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
             for share in (True, False):

@@ -218,7 +218,7 @@ def main(args: Args):
     source = make_rollouts(args, model, tokenizer, rank)
     log = RunLog(args.output_dir, tokenizer, task.reward_names + ['gym'] * args.use_gym_env,
                  args.gym_env, args.report_to, active=rank == 0)
-    warm = args.warm_start_steps if not args.resume else 0  # its steps are -warm + 1, ..., 0
+    warm = 0 if args.resume or args.eval_only else args.warm_start_steps  # steps -warm + 1, ..., 0
     before = evaluation(log, source, task, args, start - warm, 'before')
     if args.eval_only:
         return before
