@@ -1,19 +1,12 @@
 """The flags of train.py (and server.py's share of them) and every check that can run before a
-model loads.
-
-1. `Args`: one flat, documented list of flags; the names are ms-swift's where the concept is the
-   same, so a command line carries over (README: "Flags").
-2. `parser` builds a command line from it (all of it, or the fields a program names);
-   `check_args` refuses bad input in one line (UserError) before anything heavy: ranges,
-   choices, plugins, the dataset.
-3. The task's own rules come from its env class: `parse_args` (its `train_defaults`, for the
-   flags not given), `reward_setup` (its extra reward columns and weights, unless the flags say
-   otherwise) and `held_out` (its held-out rows, else a share of the dataset).
+model loads: `Args` (one flat list of flags, ms-swift's names where the concept is the same),
+`parser` (a command line of it), `check_args` (bad input refused in one line, UserError). The
+task's own rules come from its env class: its `train_defaults` (`parse_args`), its reward columns
+(`reward_setup`) and its held-out rows (`held_out`, else a share of the dataset).
 """
 import argparse
 import dataclasses
 import importlib.util
-import inspect
 import math
 import os
 from dataclasses import dataclass, field
@@ -21,6 +14,8 @@ from typing import List, Optional
 
 from env import (Env, UserError, env_name, envs, load_dataset, load_plugins, orms,
                  reward_funcs)
+import grpo
+import tools
 from scheduler import GYMScheduler, MultiTurnScheduler, multi_turns
 
 
@@ -190,8 +185,7 @@ def parse_args(argv=None) -> Args:
 
 
 def with_train_defaults(given: dict) -> Args:
-    """Args of the flags given; the others from --gym_env's `train_defaults` (when the scheduler
-    plays an env), else Args'."""
+    """Args of the flags given, the others from --gym_env's `train_defaults` if an env plays."""
     load_plugins(given.get('external_plugins', []))  # a plugin env may bring train_defaults too
     env_cls = envs.get(given.get('gym_env', Args.gym_env), Env)
     scheduler = multi_turns.get(given.get('multi_turn_scheduler', Args.multi_turn_scheduler))
@@ -213,7 +207,6 @@ LIMITS = {  # flag: (lowest allowed, what it means)
     'max_resample_times': (0, 'not negative'),
     'rollout_importance_sampling_threshold': (1, 'at least 1'), 'lora_rank': (1, 'at least 1'),
     'lora_alpha': (1, 'at least 1'), 'vllm_max_model_len': (2, 'at least 2'),
-
 }
 
 CHOICES = {
@@ -228,20 +221,8 @@ CHOICES = {
 }
 
 
-def check_scheduler(name: str):
-    """Refuse, in one line, a name that is not registered or not a MultiTurnScheduler."""
-    if name not in multi_turns:
-        raise UserError(f'--multi_turn_scheduler {name}: not registered; registered: '
-                        f'{", ".join(sorted(multi_turns))}')
-    cls = multi_turns[name]
-    if not (isinstance(cls, type) and issubclass(cls, MultiTurnScheduler)):
-        raise UserError(f"--multi_turn_scheduler {name}: multi_turns['{name}'] is {cls!r}, "
-                        'not a MultiTurnScheduler subclass')
-
-
-def check_game(args):
-    """The checks train.py and server.py share: ranges of the flags given, the model folder, the
-    plugins, the scheduler and the env."""
+def check_flags(args):
+    """Ranges and choices of the flags given."""
     for name, (low, meaning) in LIMITS.items():
         if getattr(args, name) < low:
             raise UserError(f'--{name} {getattr(args, name)}: {meaning}')
@@ -249,10 +230,41 @@ def check_game(args):
         value = getattr(args, name)
         if value is not None and not value > 0:
             raise UserError(f'--{name} {value}: must be above 0')
+    for name, choices in CHOICES.items():
+        if getattr(args, name) not in choices:
+            raise UserError(f'--{name} {getattr(args, name)}: choose from '
+                            f'{", ".join(c for c in choices if c)}')
+    if not 0 <= args.warmup_ratio <= 1:
+        raise UserError(f'--warmup_ratio {args.warmup_ratio}: must be in [0, 1]')
+    if not 0 <= args.split_dataset_ratio < 1:
+        raise UserError(f'--split_dataset_ratio {args.split_dataset_ratio}: must be in [0, 1)')
+    for name in args.report_to:
+        if name not in ('tensorboard', 'wandb'):
+            raise UserError(f'--report_to {name}: choose from tensorboard, wandb')
+        if importlib.util.find_spec(name) is None:
+            raise UserError(f'--report_to {name}: the package is not installed '
+                            f'(pip install {name})')
+
+
+def check_game(args):
+    """The checks train.py and server.py share: the flags, the model folder, the plugins, the
+    scheduler and the env."""
+    check_flags(args)
+    if args.device == 'cuda':
+        import torch  # here only: the other checks need no torch
+        if not torch.cuda.is_available():
+            raise UserError('--device cuda: torch sees no CUDA device (torch.cuda.is_available())')
     if args.model and not os.path.isdir(args.model) and args.model.startswith(('/', '.', '~')):
         raise UserError(f'--model {args.model}: no such folder')
     load_plugins(args.external_plugins)
-    check_scheduler(args.multi_turn_scheduler)
+    name = args.multi_turn_scheduler
+    if name not in multi_turns:
+        raise UserError(f'--multi_turn_scheduler {name}: not registered; registered: '
+                        f'{", ".join(sorted(multi_turns))}')
+    cls = multi_turns[name]
+    if not (isinstance(cls, type) and issubclass(cls, MultiTurnScheduler)):
+        raise UserError(f"--multi_turn_scheduler {name}: multi_turns['{name}'] is {cls!r}, "
+                        'not a MultiTurnScheduler subclass')
     if args.gym_env not in envs:
         raise UserError(f'--gym_env {args.gym_env}: not registered; registered: '
                         f'{", ".join(sorted(envs))}')
@@ -271,25 +283,6 @@ class Task:
 def check_args(args: Args) -> Task:
     """Every input check that can run before a model loads; fills in --scale_rewards."""
     check_game(args)
-    for name in args.report_to:
-        if name not in ('tensorboard', 'wandb'):
-            raise UserError(f'--report_to {name}: choose from tensorboard, wandb')
-        if importlib.util.find_spec(name) is None:
-            raise UserError(f'--report_to {name}: the package {name} is not installed '
-                            f'(pip install {name})')
-    if not 0 <= args.warmup_ratio <= 1:
-        raise UserError(f'--warmup_ratio {args.warmup_ratio}: must be in [0, 1]')
-    if not 0 <= args.split_dataset_ratio < 1:
-        raise UserError(f'--split_dataset_ratio {args.split_dataset_ratio}: must be in [0, 1)')
-    for name, choices in CHOICES.items():
-        if getattr(args, name) not in choices:
-            raise UserError(f'--{name} {getattr(args, name)}: choose from '
-                            f'{", ".join(c for c in choices if c)}')
-    if args.device == 'cuda':
-        import torch
-        if not torch.cuda.is_available():
-            raise UserError('--device cuda: torch sees no CUDA device '
-                            '(torch.cuda.is_available() is False)')
     if args.scale_rewards is None:
         args.scale_rewards = 'none' if args.advantage_estimator == 'rloo' else 'group'
     plays_env = issubclass(multi_turns[args.multi_turn_scheduler], GYMScheduler)
@@ -299,17 +292,15 @@ def check_args(args: Args) -> Task:
         multi_turns[args.multi_turn_scheduler].check_rows(rows)
     names, weights = reward_setup(args, env_cls, rows, args.dataset)
     if args.warm_start_steps and not plays_env:
-        raise UserError(f'--warm_start_steps {args.warm_start_steps}: the warm start plays the '
-                        f"env's expert, and --multi_turn_scheduler {args.multi_turn_scheduler} "
-                        'plays no env')
+        raise UserError(f'--warm_start_steps {args.warm_start_steps}: no expert, since '
+                        f'--multi_turn_scheduler {args.multi_turn_scheduler} plays no env')
     for name in {env_name(row, args.gym_env) for row in rows} | {args.gym_env} if plays_env else ():
-        check_tools(envs[name].tools, f'env {name}')
+        tools.check_tools(envs[name].tools, f'env {name}')
         if args.warm_start_steps and envs[name].expert_reply is Env.expert_reply:
             raise UserError(f'--warm_start_steps {args.warm_start_steps}: env {name} has no '
                             'expert (Env.expert_reply)')
     for number, row in enumerate(rows, 1):
-        check_tools(row.get('tools', []), f'{args.dataset}, row {number}')
-    # the env's own held-out rows, if the env plays (a GYMScheduler)
+        tools.check_tools(row.get('tools', []), f'{args.dataset}, row {number}')
     rows, eval_rows = held_out(rows, env_cls if plays_env else None, args.eval_size,
                                args.split_dataset_ratio, args.dataset)
     if args.rows_per_step > len(rows):
@@ -318,31 +309,16 @@ def check_args(args: Args) -> Task:
     return Task(rows, eval_rows, env_cls, names, weights)
 
 
-def check_tools(names, where: str):
-    """Refuse, in one line, tools that are not a list of registered names."""
-    from tools import schema, tools
-    if not isinstance(names, list) or not all(isinstance(n, str) and n in tools for n in names):
-        raise UserError(f'{where}: tools must be a list of registered tool names; registered: '
-                        f'{", ".join(sorted(tools)) or "none"} (got {str(names)[:80]})')
-    for name in names:
-        try:
-            schema(name)
-        except Exception as e:
-            raise UserError(f'tool {name}: no JSON schema can be made of it ({type(e).__name__}: '
-                            f'{str(e).splitlines()[0]})') from None
-
-
 def reward_setup(args: Args, env_cls, rows, dataset: str):
-    """The reward columns (--reward_funcs, then the gym reward) and their weights. With neither flag
-    given, the env's own choice (`default_reward_funcs`): a plugin env gets no FrozenLake reward.
-    A name in `orms` (ms-swift's reward classes) is made once, with args, as ms-swift does, and
-    must find every column its __call__ names in each row."""
+    """The reward columns (--reward_funcs, then the gym reward) and their weights; with neither
+    flag, the env's `default_reward_funcs` (a plugin env gets no FrozenLake reward). An `orms`
+    class (ms-swift's) is made once, with args, and must find its __call__'s columns in each row."""
     own = args.reward_funcs is None
     names = list(env_cls.default_reward_funcs) if own else args.reward_funcs
     for name in names:
         if name in orms and name not in reward_funcs:
             reward_funcs[name] = orms[name](args=args)
-            check_columns(name, reward_funcs[name], rows, dataset)
+            grpo.check_columns(name, reward_funcs[name], rows, dataset)
         if name not in reward_funcs:
             raise UserError(f'--reward_funcs {name}: unknown; registered: '
                             f'{", ".join(sorted({*reward_funcs, *orms})) or "none"}')
@@ -359,27 +335,14 @@ def reward_setup(args: Args, env_cls, rows, dataset: str):
     return names, weights
 
 
-def check_columns(name: str, orm, rows, dataset: str):
-    """Refuse, in one line, a dataset row without a column the ORM's __call__ needs."""
-    given = {'completions', 'messages', 'rollout_infos'}  # what grpo.orm_call always passes
-    needed = [p.name for p in inspect.signature(orm.__call__).parameters.values()
-              if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    for number, row in enumerate(rows, 1):
-        missing = [column for column in needed if column not in given and column not in row]
-        if missing:
-            raise UserError(f'--reward_funcs {name}: {type(orm).__name__}.__call__ needs the column '
-                            f"'{missing[0]}', which {dataset}:{number} does not have")
-
-
 def held_out(rows, env_cls, eval_size: int, ratio: float, dataset: str):
-    """(training rows, evaluation rows): the env's own held-out rows, else the last share of the
-    dataset."""
+    """(training rows, evaluation rows): the env's own held-out rows, else the dataset's last."""
     if not eval_size:
         return rows, []
     own = env_cls.eval_rows(eval_size, rows[0]['env_config']) if env_cls else None
     if own is not None:  # with the training rows' settings, their `tools` column included
-        tools = {'tools': rows[0]['tools']} if 'tools' in rows[0] else {}
-        return rows, [{**row, **tools} for row in own]
+        column = {'tools': rows[0]['tools']} if 'tools' in rows[0] else {}
+        return rows, [{**row, **column} for row in own]
     n = min(eval_size, math.ceil(len(rows) * ratio))
     if n >= len(rows):
         raise UserError(f'--split_dataset_ratio {ratio}: would hold out all {len(rows)} rows of '

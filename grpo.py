@@ -20,7 +20,7 @@ from typing import List
 
 import torch
 
-from env import ORM, reward_funcs
+from env import ORM, UserError, reward_funcs
 
 OVERLONG = ('length', 'context_limit')  # stop reasons of a trajectory cut by a length limit
 
@@ -62,6 +62,18 @@ def orm_call(orm, trajectories) -> List[float]:
     values = orm(completions, **columns, messages=[t.messages for t in trajectories],
                  rollout_infos=[t.rollout_infos for t in trajectories])
     return asyncio.run(values) if inspect.isawaitable(values) else values
+
+
+def check_columns(name: str, orm, rows, dataset: str):
+    """Refuse, in one line, a dataset row without a column the ORM's __call__ needs."""
+    given = {'completions', 'messages', 'rollout_infos'}  # what grpo.orm_call always passes
+    needed = [p.name for p in inspect.signature(orm.__call__).parameters.values()
+              if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    for number, row in enumerate(rows, 1):
+        missing = [column for column in needed if column not in given and column not in row]
+        if missing:
+            raise UserError(f'--reward_funcs {name}: {type(orm).__name__}.__call__ needs the '
+                            f"column '{missing[0]}', which {dataset}:{number} does not have")
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, valid: torch.Tensor = None,

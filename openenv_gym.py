@@ -191,12 +191,78 @@ multi_turns['openenv_scheduler'] = OpenEnvScheduler
 
 # --------------------------------------------------------- serving our envs with OpenEnv's server
 
+class GymSession:
+    """One session's game, for OpenEnv's server (`served_app` mixes it into OpenEnv's
+    `Environment`): `reset` kwargs are the env_config (`name` picks the env, else gym_env), `step`
+    takes {'message': the newest reply}; the conversation stays here, since our `Env.step` reads
+    all of it. `open` counts the sessions opened and not yet closed."""
+    SUPPORTS_CONCURRENT_SESSIONS = True  # a session owns its env object
+    gym_env, observation_cls, open = 'frozen_lake', None, 0  # set by served_app
+
+    def __init__(self):
+        super().__init__()
+        self.env, self.loop, self.messages, self._state = None, None, [], None
+        type(self).open += 1
+
+    async def reset_async(self, seed=None, episode_id=None, **env_config):
+        self.loop = asyncio.get_running_loop()
+        await self._close_env()
+        config = {**env_config, **({'seed': seed} if seed is not None else {})}
+        self.env = envs[config.get('name') or self.gym_env](config)
+        observation, info, system = await self.env.reset(
+            RolloutInferRequest([], {'env_config': config}))
+        self.messages = [{'role': 'system', 'content': system},
+                         {'role': 'user', 'content': observation}]
+        self._state = {'episode_id': episode_id, 'step_count': 0}
+        return self.observation_cls(prompt=observation, system_message=system,
+                                    metadata={'info': info})
+
+    async def step_async(self, action, timeout_s=None, **kwargs):
+        if self.env is None:
+            raise RuntimeError('no game: send reset first')
+        self.messages.append({'role': 'assistant', 'content': action.message})
+        observation, reward, done, info = await self.env.step([*map(dict, self.messages)])
+        self.messages.append({'role': 'user', 'content': observation})
+        self._state['step_count'] += 1
+        return self.observation_cls(prompt=observation, reward=float(reward), done=bool(done),
+                                    metadata={'info': info})
+
+    def reset(self, *args, **kwargs):  # abstract in OpenEnv; the server awaits the async ones
+        raise NotImplementedError('reset_async')
+
+    def step(self, *args, **kwargs):
+        raise NotImplementedError('step_async')
+
+    @property
+    def state(self):
+        from openenv.core.env_server import State
+        return State(**(self._state or {}))
+
+    async def _close_env(self):
+        env, self.env = self.env, None
+        if env is not None:
+            await env.close()
+
+    def close(self):
+        """OpenEnv calls it from the session's worker thread (its HTTP routes, from the loop
+        itself): our env closes on the loop it runs on."""
+        try:
+            on_loop = asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            self.loop.create_task(self._close_env())
+        elif self.loop is not None and self.loop.is_running():
+            asyncio.run_coroutine_threadsafe(self._close_env(), self.loop).result(30)
+        else:
+            asyncio.run(self._close_env())
+        type(self).open -= 1
+
+
 def served_app(gym_env: str, max_concurrent_envs: int):
-    """OpenEnv's app (`create_app`) for our envs: a session's `reset` kwargs are the env_config
-    (`name` picks the env, else gym_env), its `step` takes {'message': the newest reply}; the
-    conversation stays on the server, since our `Env.step` reads all of it. GET /sessions: how
-    many sessions are open (every one opened must be closed)."""
-    from openenv.core.env_server import Action, Environment, Observation, State, create_app
+    """OpenEnv's app (`create_app`) serving `gym_env` a `GymSession` per session; GET /sessions:
+    how many are open (every one opened must be closed)."""
+    from openenv.core.env_server import Action, Environment, Observation, create_app
 
     class GymAction(Action):
         message: str = ''
@@ -205,82 +271,24 @@ def served_app(gym_env: str, max_concurrent_envs: int):
         prompt: str = ''
         system_message: str = ''
 
-    class GymEnvironment(Environment):
-        SUPPORTS_CONCURRENT_SESSIONS = True  # a session owns its env object
-        open = 0
-
-        def __init__(self):
-            super().__init__()
-            self.env, self.loop, self.messages, self._state = None, None, [], State()
-            type(self).open += 1
-
-        async def reset_async(self, seed=None, episode_id=None, **env_config):
-            self.loop = asyncio.get_running_loop()
-            await self._close_env()
-            config = {**env_config, **({'seed': seed} if seed is not None else {})}
-            self.env = envs[config.get('name') or gym_env](config)
-            request = RolloutInferRequest([], {'env_config': config})
-            observation, info, system = await self.env.reset(request)
-            self.messages = [{'role': 'system', 'content': system},
-                             {'role': 'user', 'content': observation}]
-            self._state = State(episode_id=episode_id, step_count=0)
-            return GymObservation(prompt=observation, system_message=system,
-                                  metadata={'info': info})
-
-        async def step_async(self, action, timeout_s=None, **kwargs):
-            if self.env is None:
-                raise RuntimeError('no game: send reset first')
-            self.messages.append({'role': 'assistant', 'content': action.message})
-            observation, reward, done, info = await self.env.step([*map(dict, self.messages)])
-            self.messages.append({'role': 'user', 'content': observation})
-            self._state.step_count += 1
-            return GymObservation(prompt=observation, reward=float(reward), done=bool(done),
-                                  metadata={'info': info})
-
-        def reset(self, *args, **kwargs):  # abstract in OpenEnv; the server awaits the async ones
-            raise NotImplementedError('reset_async')
-
-        def step(self, *args, **kwargs):
-            raise NotImplementedError('step_async')
-
-        @property
-        def state(self):
-            return self._state
-
-        async def _close_env(self):
-            env, self.env = self.env, None
-            if env is not None:
-                await env.close()
-
-        def close(self):
-            """OpenEnv calls it from the session's worker thread (its HTTP routes, from the
-            loop itself): our env closes on the loop it runs on."""
-            try:
-                on_loop = asyncio.get_running_loop() is self.loop
-            except RuntimeError:
-                on_loop = False
-            if on_loop:
-                self.loop.create_task(self._close_env())
-            elif self.loop is not None and self.loop.is_running():
-                asyncio.run_coroutine_threadsafe(self._close_env(), self.loop).result(30)
-            else:
-                asyncio.run(self._close_env())
-            type(self).open -= 1
-
-    app = create_app(GymEnvironment, GymAction, GymObservation, env_name=gym_env,
+    session = type('GymEnvironment', (GymSession, Environment),
+                   {'gym_env': gym_env, 'observation_cls': GymObservation, 'open': 0})
+    app = create_app(session, GymAction, GymObservation, env_name=gym_env,
                      max_concurrent_envs=max_concurrent_envs)
-    app.get('/sessions')(lambda: {'open': GymEnvironment.open})
+    app.get('/sessions')(lambda: {'open': session.open})
     return app
 
 
 if __name__ == '__main__':
     parser = argparse.ArgumentParser(description='Serve a registered env with OpenEnv\'s server.')
     parser.add_argument('--gym_env', default='frozen_lake', help='env for resets that name none')
-    parser.add_argument('--external_plugins', nargs='*', default=[], help='files that register envs')
+    parser.add_argument('--external_plugins', nargs='*', default=[],
+                        help='files that register envs')
     parser.add_argument('--host', default='127.0.0.1', help='address to listen on')
     parser.add_argument('--port', type=int, default=8000, help='port to listen on')
     parser.add_argument('--max_concurrent_envs', type=int, default=64,
-                        help="sessions at once: at least a step's trajectories (rows x generations)")
+                        help="sessions at once: at least a step's trajectories "
+                             "(rows x generations)")
     cli = parser.parse_args()
     import arithmetic  # noqa: F401  (registers the built-in envs)
     import frozen_lake  # noqa: F401

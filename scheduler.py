@@ -1,10 +1,8 @@
 """Multi-turn rollouts: ms-swift's hook-based `MultiTurnScheduler` and `multi_turns` registry, the
-document's `GYMScheduler` (with the tool loop) and three example schedulers; "启动训练" and "2.
-GYMScheduler 的 hook 实现" of the GYM-env document. A turn (`_play_turn`): the engine replies to
-every live trajectory in one batched call; each reply joins its conversation; `on_turn_end` (the
-env's step, or a tool) or `check_finished` says whether the game is over; if not, `step` makes the
-next request, which the token record (trajectory.py) follows. The hooks: docs/ms-swift.md. Left
-out: overriding ms-swift's `run` (it needs ms-swift's engine API) and ID-backed messages.
+document's `GYMScheduler` (with the tool loop) and example schedulers ("启动训练", "2. GYMScheduler
+的 hook 实现"). A turn (`_play_turn`): one batched engine call for every live trajectory; each reply
+joins its conversation; `on_turn_end` (the env's step, or a tool) or `check_finished` says whether
+the game is over; if not, `step` makes the next request. Left out: overriding ms-swift's `run`.
 """
 import asyncio
 import inspect
@@ -51,8 +49,7 @@ class MultiTurnScheduler:
         """Called once for every request, however its trajectory ended."""
 
     @staticmethod
-    def _extract_logprobs_from_choice(response_choice) -> List[float]:
-        """ms-swift's helper: the engine's logprobs of the sampled ids."""
+    def _extract_logprobs_from_choice(response_choice) -> List[float]:  # ms-swift's helper
         return list(response_choice.logprobs)
 
     # ---- the driver ----
@@ -89,9 +86,8 @@ class MultiTurnScheduler:
         return trajectories
 
     async def _play_turn(self, t: Trajectory, completion, turn: int):
-        """One turn of one trajectory, once the engine has replied: the reply joins the
-        conversation; on_turn_end (or check_finished) says whether the game is over; if not, step
-        makes the next request, and the token record and the whole conversation follow it."""
+        """One turn, once the engine has replied: the reply joins the conversation; if the game
+        goes on, step makes the next request, and the token record and conversation follow it."""
         self._take_reply(t, completion, turn)
         reason, sampled = await self._finished(t, completion, turn), list(completion.token_ids)
         if reason:
@@ -109,8 +105,7 @@ class MultiTurnScheduler:
         self.record.extend_conversation(t, before)
         t.stop_reason = None if fits else 'context_limit'
 
-    def _room(self) -> int:
-        """The most ids a segment may hold before a reply: the longest reply must still fit."""
+    def _room(self) -> int:  # the most ids a segment may hold before a reply: one must still fit
         return self.max_model_len - self.max_completion_length
 
     def _take_reply(self, t: Trajectory, completion, turn: int):
@@ -150,9 +145,8 @@ class MultiTurnScheduler:
         if (len(mask) != len(ids) or any(k >= same for k in trained)
                 or len(logprobs) != len(trained)):
             raise UserError(f'{type(self).__name__}.step: response_loss_mask must be as long as '
-                            'response_token_ids and put 1 only on sampled ids at their sampled '
-                            'positions (everything before them unchanged), and rollout_logprobs '
-                            'one per such id')
+                            'response_token_ids, 1 only on sampled ids at their sampled positions '
+                            '(all before them unchanged); rollout_logprobs one per such id')
         return ids, mask, logprobs
 
     async def _end(self, trajectories: List[Trajectory]):
@@ -339,7 +333,6 @@ multi_turns = {'gym_scheduler': GYMScheduler, 'hint_scheduler': HintScheduler,
 
 def make_scheduler(name: str, engine, tokenizer, *, max_turns: int, gym_env: str,
                    max_model_len: int, max_completion_length: int = 16, tool_timeout: float = 10.0):
-    """The --multi_turn_scheduler, as train.py and server.py start it."""
     return multi_turns[name](engine, max_turns, tokenizer=tokenizer, gym_env=gym_env,
                              max_model_len=max_model_len, tool_timeout=tool_timeout,
                              max_completion_length=max_completion_length)
@@ -353,5 +346,5 @@ def requests_for(rows, group_size) -> List[RolloutInferRequest]:
 
 
 def rollout(scheduler: MultiTurnScheduler, requests: List[RolloutInferRequest]) -> List[Trajectory]:
-    """Synchronous entry point for train.py: run_multi_turn on a fresh event loop."""
+    """run_multi_turn on a fresh event loop (the synchronous callers')."""
     return asyncio.run(scheduler.run_multi_turn(requests))

@@ -16,6 +16,7 @@ import json
 import multiprocessing
 import os
 import random
+import re
 import socket
 import subprocess
 import sys
@@ -721,8 +722,6 @@ def test_an_env_whose_state_key_raises_ends_only_its_own_trajectory(tokenizer):
 
 
 def test_bad_schedulers_are_refused_in_one_line(tokenizer):
-    from config import check_scheduler
-
     class NoDict(GYMScheduler):
         def step(self, req, response_choice, turn):
             return req
@@ -731,7 +730,7 @@ def test_bad_schedulers_are_refused_in_one_line(tokenizer):
         rollout(NoDict(ScriptedEngine(tokenizer, lambda t: 'x'), 2, tokenizer=tokenizer, gym_env='frozen_lake'), requests([0]))
     multi_turns['not_one'] = EchoEnv
     with pytest.raises(UserError, match=r"^--multi_turn_scheduler not_one: multi_turns\['not_one'\] is <class .*EchoEnv'>, not a MultiTurnScheduler subclass$"):
-        check_scheduler('not_one')
+        config.check_args(config.parse_args(['--multi_turn_scheduler', 'not_one']))
     with pytest.raises(UserError, match='^--multi_turn_scheduler chess: not registered; registered: gym_scheduler, hint_scheduler, '):
         config.check_args(config.parse_args(['--multi_turn_scheduler', 'chess']))
 
@@ -967,10 +966,18 @@ def test_the_cli_says_one_line_and_loads_nothing():
 
 
 @pytest.mark.parametrize('program', ['train.py', 'server.py', 'bench.py', 'baselines.py', 'student_copy.py',
-                                     'worked_step.py'])
+                                     'worked_step.py', 'openenv_gym.py'])
 def test_help_works(program):
     run = subprocess.run([sys.executable, program, '--help'], cwd=HERE, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.startswith('usage:'), run.stderr
+
+
+def test_the_readme_file_table_states_each_files_lines():
+    table = re.findall(r'^\| `(\w+\.py)` \| (\d+) \|', open(os.path.join(HERE, 'README.md')).read(), re.M)
+    assert len(table) >= 7, table
+    for name, lines in table:
+        true = len(open(os.path.join(HERE, name)).read().splitlines())
+        assert int(lines) == true, f'README.md says {name} has {lines} lines; it has {true}'
 
 
 def test_worked_step_prints_each_formula():

@@ -27,6 +27,8 @@ import re
 import threading
 from typing import Callable, Dict, List, Optional, Tuple
 
+from env import UserError
+
 tools: Dict[str, Callable] = {}  # name -> function; a plugin adds its own: tools['search'] = search
 
 CALL = re.compile(r'<tool_call>(.*?)(?:</tool_call>|$)', re.S)
@@ -106,3 +108,16 @@ def in_thread(function: Callable, arguments: dict) -> asyncio.Future:
             pass
     threading.Thread(target=work, daemon=True).start()
     return future
+
+
+def check_tools(names, where: str):
+    """Refuse, in one line, tools that are not a list of registered names."""
+    if not isinstance(names, list) or not all(isinstance(n, str) and n in tools for n in names):
+        raise UserError(f'{where}: tools must be a list of registered tool names; registered: '
+                        f'{", ".join(sorted(tools)) or "none"} (got {str(names)[:80]})')
+    for name in names:
+        try:
+            schema(name)
+        except Exception as e:
+            raise UserError(f'tool {name}: no JSON schema can be made of it ({type(e).__name__}: '
+                            f'{str(e).splitlines()[0]})') from None
