@@ -16,6 +16,10 @@ half where the goal line's first word leads into the hole and half where its sec
 so that no word-order rule wins them and only the hole tells the moves apart. With --at_start
 the fork is the start itself (19% of maps): forks.jsonl, the default dataset, is
 `python baselines.py --forks 1024 --at_start --reason`.
+
+`python baselines.py --completions output/completions.jsonl` reads a run's training games
+instead: per step, at the forks its walks met, the moves into the hole, around it, and the goal
+line's first word (docs/results.md's fork counts).
 """
 import argparse
 import json
@@ -88,6 +92,25 @@ def fork_rows(n: int, env_config: dict, at_start: bool = False, first_seed: int 
              'env_config': {'seed': s, **env_config}} for s in seeds]
 
 
+def fork_moves(games) -> dict:
+    """{step: [into the hole, around it, the goal line's first word]} over the moves made at
+    forks by the games of a completions.jsonl (each game's map and moves from its rollout_infos)."""
+    steps = {}
+    for game in games:
+        grid = game['rollout_infos']['reset_info']['grid']
+        cell = find(grid, 'S')
+        for info in game['rollout_infos']['step_infos']:
+            kind, move = fork(grid, cell), info.get('action')
+            if kind and move:
+                words, counts = goal_words(grid, cell), steps.setdefault(game['step'], [0, 0, 0])
+                hole = words[0] if kind == 'first' else words[1]
+                counts[0] += move == hole
+                counts[1] += move in words and move != hole
+                counts[2] += move == words[0]
+            cell = tuple(info.get('position', cell))
+    return steps
+
+
 def wins(grid, policy, rng, max_turns: int) -> bool:
     cell, goal = find(grid, 'S'), find(grid, 'G')
     for _ in range(max_turns):
@@ -111,7 +134,14 @@ if __name__ == '__main__':
                         help='with --forks: rows whose replies say what lies toward G first')
     parser.add_argument('--coin_at_forks', action='store_true',
                         help="with --forks: rows whose expert decides each fork by a coin")
+    parser.add_argument('--completions', help="print the fork moves of a run's completions.jsonl")
     args = parser.parse_args()
+    if args.completions:
+        for step, (hole, around, first) in sorted(fork_moves(map(json.loads,
+                                                                 open(args.completions))).items()):
+            print(f'step {step}: at forks, {hole} moves into the hole, {around} around it, '
+                  f"{first} the goal line's first word")
+        raise SystemExit
     if args.forks:
         config = {'observation': args.observation, **({'reason': True} if args.reason else {}),
                   **({'coin_at_forks': True} if args.coin_at_forks else {})}

@@ -225,6 +225,21 @@ def test_the_fork_dataset_balances_the_word_the_hole_is_in():
     assert all(r['env_config']['reason'] for r in start)
 
 
+def test_the_fork_moves_of_a_run_are_counted_per_step(tmp_path):
+    """baselines.py --completions: at S (G 3 down and 3 right; right is a hole) one walk steps into
+    the hole, one goes down (the first word, around it), one bumps the edge; off a fork, nothing."""
+    grid = ['SHFF', 'FFFF', 'FFFF', 'FFFG']
+    walks = [[{'action': 'right', 'position': [0, 1]}], [{'action': 'down', 'position': [1, 0]},
+             {'action': 'right', 'position': [1, 1]}], [{'action': 'up', 'position': [0, 0]}]]
+    games = [{'step': 5, 'rollout_infos': {'reset_info': {'grid': grid}, 'step_infos': w}} for w in walks]
+    (tmp_path / 'completions.jsonl').write_text(''.join(json.dumps(g) + '\n' for g in games))
+    import baselines
+    assert baselines.fork_moves(games) == {5: [1, 1, 1]}, 'counts per step: into the hole, around it, first word'
+    run = subprocess.run([sys.executable, 'baselines.py', '--completions', str(tmp_path / 'completions.jsonl')],
+                         cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert run.stdout == "step 5: at forks, 1 moves into the hole, 1 around it, 1 the goal line's first word\n"
+
+
 def test_a_reasoned_reply_says_what_lies_toward_G_then_moves():
     """env_config reason: the expert names what each goal-line move leads to, in the goal line's
     order, then the move; the move is still read from the tag, not from the words before it."""
