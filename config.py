@@ -2,17 +2,16 @@
 model loads: `Args` (one flat list of flags, ms-swift's names where the concept is the same),
 `parser` (a command line of it), `check_args` (bad input refused in one line, UserError). The
 task's own rules come from its env class: its `train_defaults` (`parse_args`), its reward columns
-(`reward_setup`) and its held-out rows (`held_out`, else a share of the dataset).
+(`reward_setup`) and its held-out rows (`env.held_out`, else a share of the dataset).
 """
 import argparse
 import dataclasses
 import importlib.util
-import math
 import os
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from env import (Env, UserError, env_name, envs, load_dataset, load_plugins, orms,
+from env import (Env, UserError, env_name, envs, held_out, load_dataset, load_plugins, orms,
                  reward_funcs)
 import grpo
 import tools
@@ -290,7 +289,6 @@ def check_args(args: Args) -> Task:
     rows = load_dataset(args.dataset, args.gym_env, plays_env)
     if hasattr(multi_turns[args.multi_turn_scheduler], 'check_rows'):  # e.g. its servers answer
         multi_turns[args.multi_turn_scheduler].check_rows(rows)
-    names, weights = reward_setup(args, env_cls, rows, args.dataset)
     if args.warm_start_steps and not plays_env:
         raise UserError(f'--warm_start_steps {args.warm_start_steps}: no expert, since '
                         f'--multi_turn_scheduler {args.multi_turn_scheduler} plays no env')
@@ -301,24 +299,29 @@ def check_args(args: Args) -> Task:
                             'expert (Env.expert_reply)')
     for number, row in enumerate(rows, 1):
         tools.check_tools(row.get('tools', []), f'{args.dataset}, row {number}')
-    rows, eval_rows = held_out(rows, env_cls if plays_env else None, args.eval_size,
+    loaded = rows
+    rows, eval_rows = held_out(loaded, env_cls if plays_env else None, args.eval_size,
                                args.split_dataset_ratio, args.dataset)
+    own = eval_rows if rows is loaded else []  # the env's own held-out rows, not the dataset's
+    names, weights = reward_setup(args, env_cls, {args.dataset: loaded, 'the held-out rows': own})
     if args.rows_per_step > len(rows):
         raise UserError(f'--rows_per_step {args.rows_per_step}: there are {len(rows)} training '
                         f'rows in {args.dataset}')
     return Task(rows, eval_rows, env_cls, names, weights)
 
 
-def reward_setup(args: Args, env_cls, rows, dataset: str):
+def reward_setup(args: Args, env_cls, rows: dict):
     """The reward columns (--reward_funcs, then the gym reward) and their weights; with neither
     flag, the env's `default_reward_funcs` (a plugin env gets no FrozenLake reward). An `orms`
-    class (ms-swift's) is made once, with args, and must find its __call__'s columns in each row."""
+    class (ms-swift's) is made once, with args, and must find its __call__'s columns in each row
+    of `rows` ({where: rows})."""
     own = args.reward_funcs is None
     names = list(env_cls.default_reward_funcs) if own else args.reward_funcs
     for name in names:
         if name in orms and name not in reward_funcs:
             reward_funcs[name] = orms[name](args=args)
-            grpo.check_columns(name, reward_funcs[name], rows, dataset)
+            for where, some in rows.items():
+                grpo.check_columns(name, reward_funcs[name], some, where)
         if name not in reward_funcs:
             raise UserError(f'--reward_funcs {name}: unknown; registered: '
                             f'{", ".join(sorted({*reward_funcs, *orms})) or "none"}')
@@ -333,18 +336,3 @@ def reward_setup(args: Args, env_cls, rows, dataset: str):
         raise UserError(f'--reward_weights: got {len(weights)}, need {columns} '
                         f'({", ".join(names + ["gym"] * args.use_gym_env)})')
     return names, weights
-
-
-def held_out(rows, env_cls, eval_size: int, ratio: float, dataset: str):
-    """(training rows, evaluation rows): the env's own held-out rows, else the dataset's last."""
-    if not eval_size:
-        return rows, []
-    own = env_cls.eval_rows(eval_size, rows[0]['env_config']) if env_cls else None
-    if own is not None:  # with the training rows' settings, their `tools` column included
-        column = {'tools': rows[0]['tools']} if 'tools' in rows[0] else {}
-        return rows, [{**row, **column} for row in own]
-    n = min(eval_size, math.ceil(len(rows) * ratio))
-    if n >= len(rows):
-        raise UserError(f'--split_dataset_ratio {ratio}: would hold out all {len(rows)} rows of '
-                        f'{dataset}')
-    return rows[:len(rows) - n], rows[len(rows) - n:]

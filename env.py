@@ -21,6 +21,7 @@ trajectory is what the document describes).
 """
 import importlib.util
 import json
+import math
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -187,3 +188,18 @@ def load_dataset(path: str, gym_env: str = None, plays_env: bool = True) -> List
     if not rows:
         raise UserError(f'--dataset {path}: no rows')
     return rows
+
+
+def held_out(rows, env_cls, eval_size: int, ratio: float, dataset: str):
+    """(training rows, evaluation rows): the env's own held-out rows, else the dataset's last."""
+    if not eval_size:
+        return rows, []
+    own = env_cls.eval_rows(eval_size, rows[0]['env_config']) if env_cls else None
+    if own is not None:  # with the training rows' settings, their `tools` column included
+        column = {'tools': rows[0]['tools']} if 'tools' in rows[0] else {}
+        return rows, [{**row, **column} for row in own]
+    n = min(eval_size, math.ceil(len(rows) * ratio))
+    if n >= len(rows):
+        raise UserError(f'--split_dataset_ratio {ratio}: would hold out all {len(rows)} rows of '
+                        f'{dataset}')
+    return rows[:len(rows) - n], rows[len(rows) - n:]

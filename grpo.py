@@ -44,11 +44,11 @@ def rewards(trajectories, funcs: List[str], weights: List[float], use_gym_env: b
         scored = [trajectories[i] for i in ok]
         values = [fn(t.messages) for t in scored] if not isinstance(fn, ORM) else (
             orm_call(fn, scored) if scored else [])
-        columns[ok, k] = torch.tensor([float(v) for v in values])
+        columns[ok, k] = torch.tensor([float('nan') if v is None else float(v) for v in values])
     if use_gym_env:
         columns[:, -1] = torch.tensor([float(t.rollout_infos.get('total_reward', 0.0))
                                        for t in trajectories])
-    return columns, columns @ torch.tensor(weights)
+    return columns, columns.nan_to_num(0.0) @ torch.tensor(weights)  # None: no say (ms-swift's)
 
 
 def orm_call(orm, trajectories) -> List[float]:
@@ -64,16 +64,17 @@ def orm_call(orm, trajectories) -> List[float]:
     return asyncio.run(values) if inspect.isawaitable(values) else values
 
 
-def check_columns(name: str, orm, rows, dataset: str):
-    """Refuse, in one line, a dataset row without a column the ORM's __call__ needs."""
-    given = {'completions', 'messages', 'rollout_infos'}  # what grpo.orm_call always passes
-    needed = [p.name for p in inspect.signature(orm.__call__).parameters.values()
-              if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+def check_columns(name: str, orm, rows, where: str):
+    """Refuse, in one line, a row without a column the ORM's __call__ needs (its first parameter
+    takes the completions, whatever its name; orm_call passes messages and rollout_infos too)."""
+    params = [p for p in inspect.signature(orm.__call__).parameters.values()
+              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    needed = [p.name for p in params[1:] if p.default is p.empty]
     for number, row in enumerate(rows, 1):
-        missing = [column for column in needed if column not in given and column not in row]
+        missing = [c for c in needed if c not in ('messages', 'rollout_infos') and c not in row]
         if missing:
             raise UserError(f'--reward_funcs {name}: {type(orm).__name__}.__call__ needs the '
-                            f"column '{missing[0]}', which {dataset}:{number} does not have")
+                            f"column '{missing[0]}', which row {number} of {where} does not have")
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int, valid: torch.Tensor = None,
@@ -141,7 +142,7 @@ def turn_rewards(trajectories, funcs: List[str], weights: List[float], use_gym_e
                 for turn in range(len(ends)):
                     turns[turn] += w * (values[turn + 1] - values[turn])
             else:
-                turns[-1] += w * columns[i, k].item()
+                turns[-1] += w * columns[i, k].nan_to_num(0.0).item()
     return out
 
 

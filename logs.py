@@ -133,7 +133,7 @@ class RunLog:
         record = {
             'step': step,
             'reward': rewards.mean().item(),
-            **{f'reward/{n}': columns[:, i].mean().item() for i, n in enumerate(self.column_names)},
+            **{f'reward/{n}': columns[:, i].nanmean().item() for i, n in enumerate(self.column_names)},
             'zero_adv_groups': 1 - spread.float().mean().item(),
             'env_errors': sum(t.stop_reason == 'error' for t in trajectories),
             'valid_actions': valid_share(trajectories),

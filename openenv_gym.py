@@ -20,7 +20,8 @@ import time
 import urllib.request
 from typing import Optional
 
-from env import RolloutInferRequest, UserError, envs, load_plugins
+# Messages too: ms-swift's OpenEnv schedulers import it from where OpenEnvScheduler comes
+from env import Messages, RolloutInferRequest, UserError, envs, load_plugins  # noqa: F401
 from scheduler import MultiTurnScheduler, multi_turns
 
 

@@ -61,8 +61,9 @@ class MultiTurnScheduler:
     async def run_multi_turn(self, requests: List[RolloutInferRequest]) -> List[Trajectory]:
         """The trajectories together, turn by turn (colocate mode): every live trajectory's prompt
         is queued at once, so a turn is one batched engine call."""
-        trajectories = await self._start(requests)
-        try:
+        trajectories = [Trajectory(req) for req in requests]
+        try:  # on_trajectory_end runs however the rollout ends, on_trajectory_start's errors too
+            await self._start(trajectories)
             for turn in range(1, self.max_turns + 1):
                 live = [t for t in trajectories if not t.stop_reason]
                 if not live:
@@ -73,17 +74,16 @@ class MultiTurnScheduler:
             await self._end(trajectories)
         return trajectories
 
-    async def _start(self, requests) -> List[Trajectory]:
-        failed = await self._hook('on_trajectory_start', requests) or {}
-        trajectories = [Trajectory(req, messages=deepcopy(req.messages)) for req in requests]
+    async def _start(self, trajectories: List[Trajectory]):
+        failed = await self._hook('on_trajectory_start', [t.request for t in trajectories]) or {}
         for t in trajectories:
+            t.messages = deepcopy(t.request.messages)
             if t.request.uuid in failed:
                 t.stop_reason = 'error'
                 t.rollout_infos = {'total_reward': 0.0, 'error': failed[t.request.uuid]}
                 continue
             if not self.record.start(t, self._room()):
                 t.stop_reason = 'context_limit'
-        return trajectories
 
     async def _play_turn(self, t: Trajectory, completion, turn: int):
         """One turn, once the engine has replied: the reply joins the conversation; if the game
@@ -214,12 +214,11 @@ class GYMScheduler(MultiTurnScheduler):
         errors = await asyncio.gather(*[self._reset(req) for req in requests])  # resets overlap
         return {req.uuid: error for req, error in zip(requests, errors) if error}
 
-    async def _start(self, requests):
-        trajectories = await super()._start(requests)
+    async def _start(self, trajectories):
+        await super()._start(trajectories)
         for t in trajectories:  # the env's infos from the start: a game may end before a turn does
             if t.stop_reason != 'error':
                 t.rollout_infos.update(self._infos[t.request.uuid])
-        return trajectories
 
     async def _reset(self, req) -> Optional[str]:
         env_config = req.data_dict.get('env_config') or {}

@@ -36,7 +36,7 @@ import arithmetic  # noqa: F401  (registers envs['arithmetic'] and tools['calcul
 import frozen_lake  # noqa: F401  (registers envs['frozen_lake'])
 import openenv_gym  # noqa: F401  (registers multi_turns['openenv_scheduler'])
 from env import RolloutInferRequest, UserError, env_name, envs
-from scheduler import make_scheduler, requests_for
+from scheduler import GYMScheduler, make_scheduler, requests_for
 from trajectory import Segment, Trajectory
 
 MAX_ROLLOUT_BYTES = 16 * 2**20  # a /rollout body: rows are small; this is thousands of them
@@ -126,7 +126,7 @@ def build_app(scheduler, engine, identity: dict, max_trajectories: int, max_weig
             raise HTTPException(413, f'{len(request.rows)} rows x {request.num_generations} '
                                      f'generations is over the limit of {max_trajectories} '
                                      'trajectories per request (server.py --max_trajectories)')
-        for i, row in enumerate(request.rows):
+        for i, row in enumerate(request.rows if isinstance(scheduler, GYMScheduler) else []):
             if env_name(row, identity['gym_env']) not in envs:
                 name = env_name(row, identity['gym_env'])
                 raise HTTPException(422, f"row {i}: env {name!r} is not registered; "
@@ -204,6 +204,7 @@ class RolloutClient:
         return answer
 
     def rollout(self, rows, group_size, temperature) -> List[Trajectory]:
+        given = rows
         if not self.pass_dataset:
             if any(row.get('env_config') for row in rows):
                 raise UserError('the rows carry env_config (e.g. the map seed) but '
@@ -212,9 +213,13 @@ class RolloutClient:
             rows = [{'messages': row.get('messages', [])} for row in rows]
         body = json.dumps({'rows': rows, 'num_generations': group_size, 'temperature': temperature,
                            'max_completion_length': self.max_completion_length})
-        return [Trajectory(**{**t, 'request': RolloutInferRequest(**t['request']),
-                              'segments': [Segment(**s) for s in t['segments']]})
-                for t in self._call('POST', '/rollout', body.encode())['trajectories']]
+        games = [Trajectory(**{**t, 'request': RolloutInferRequest(**t['request']),
+                               'segments': [Segment(**s) for s in t['segments']]})
+                 for t in self._call('POST', '/rollout', body.encode())['trajectories']]
+        for i, t in enumerate(games):  # the rows' columns, for the rewards, even if not sent
+            t.request.data_dict = {**given[i // group_size], **t.request.data_dict}
+            t.request.data_dict.pop('messages', None)
+        return games
 
     def load_weights(self, model):
         """Push the policy's weights to the server: under torchrun from rank 0 only (every process

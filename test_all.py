@@ -766,6 +766,23 @@ def test_env_errors_end_only_their_own_trajectory(tokenizer):
     assert len(CountingEnv.closed) == 1  # the env whose reset failed was still closed
 
 
+def test_on_trajectory_end_runs_when_on_trajectory_start_raises(tokenizer):
+    """ms-swift's promise: every request's on_trajectory_end, even after a start that raised, so
+    what the start opened (envs, sessions) is closed."""
+    CountingEnv.closed.clear()
+
+    class HalfStarted(GYMScheduler):
+        async def on_trajectory_start(self, requests):
+            await super().on_trajectory_start(requests)  # the envs are made and reset
+            raise RuntimeError('the start failed after the resets')
+
+    envs['counting'] = CountingEnv
+    with pytest.raises(RuntimeError, match='after the resets'):
+        rollout(HalfStarted(ScriptedEngine(tokenizer, bfs_policy), 3, tokenizer=tokenizer, gym_env='counting'),
+                requests([0, 1]))
+    assert len(CountingEnv.closed) == 2, 'on_trajectory_end must close the envs the start opened'
+
+
 def test_context_limit_ends_cleanly(tokenizer):
     (t,) = rollout(gym(tokenizer, lambda text: 'nothing', max_model_len=400, max_completion_length=32), requests([0]))
     assert t.rollout_infos['stop_reason'] == 'context_limit' and len(t.segments[0].token_ids) <= 400 - 32
@@ -1077,8 +1094,15 @@ class ShortORM(AsyncORM):
         return [1.0 if len(c) < 10 else 0.0 for c in completions]
 
 
+class MaybeORM(ORM):
+    """ms-swift's own ORMs name the first parameter otherwise; None: no say on this trajectory."""
+    def __call__(self, infer_requests, solution, **kwargs):
+        return [None if s == '3' else 1.0 for s in solution]
+
+
 orms['answer'] = AnswerORM
 orms['short'] = ShortORM
+orms['maybe'] = MaybeORM
 '''
 
 
@@ -1111,8 +1135,45 @@ def test_a_reward_class_needs_its_columns_in_every_row(tmp_path):
     rows = QUESTIONS[:2] + [{'messages': [{'role': 'user', 'content': 'Hi'}]}]
     args = config.parse_args(plain_rows(tmp_path, rows) + ['--use_gym_env', 'false', '--reward_funcs', 'answer'])
     with pytest.raises(UserError, match=r"--reward_funcs answer: AnswerORM.__call__ needs the column 'solution', "
-                                        r'which .*plain.jsonl:3 does not have$'):
+                                        r'which row 3 of .*plain.jsonl does not have$'):
         config.check_args(args)
+
+
+def test_a_reward_of_none_has_no_say_and_the_first_parameter_takes_the_completions(tmp_path):
+    args = config.parse_args(plain_rows(tmp_path, QUESTIONS) + ['--use_gym_env', 'false',
+                                                                 '--reward_funcs', 'maybe', 'short'])
+    task = config.check_args(args)  # `infer_requests` is not a column: it takes the completions
+    games = [Trajectory(RolloutInferRequest(r['messages'], {'solution': r['solution']}),
+                        messages=r['messages'] + [{'role': 'assistant', 'content': 'short'}]) for r in QUESTIONS[:2]]
+    columns, total = grpo.rewards(games, task.reward_names, task.reward_weights, use_gym_env=False)
+    assert columns[0, 0].isnan() and total.tolist() == [1.0, 2.0], 'None is NaN, left out of the sum'
+
+
+def test_an_envs_own_held_out_rows_need_the_rewards_columns_too(tmp_path):
+    (tmp_path / 'orm.py').write_text(ORM_PLUGIN)
+    (tmp_path / 'rows.jsonl').write_text(json.dumps({'messages': [], 'env_config': {'seed': 1}, 'solution': '4'}) + '\n')
+    args = config.parse_args(['--external_plugins', str(tmp_path / 'orm.py'), '--dataset', str(tmp_path / 'rows.jsonl'),
+                              '--reward_funcs', 'answer', '--rows_per_step', '1', '--warm_start_steps', '0'])
+    with pytest.raises(UserError, match=r"needs the column 'solution', which row 1 of the held-out rows does not have$"):
+        config.check_args(args)
+
+
+def test_server_mode_keeps_the_rows_columns_for_the_rewards():
+    """--vllm_server_pass_dataset false sends only messages; the trajectories that come back still
+    carry their row's columns, which an ORM reads."""
+    import server
+    client = object.__new__(server.RolloutClient)  # no server: its answer is made up below
+    client.pass_dataset, client.max_completion_length = False, 8
+    sent = []
+
+    def answer(method, route, body):
+        sent.append(json.loads(body))
+        game = dataclasses.asdict(Trajectory(RolloutInferRequest([], {})))
+        return {'trajectories': [game] * 4}
+    client._call = answer
+    games = client.rollout([{'messages': [], 'solution': '4'}, {'messages': [], 'solution': '5'}], 2, 1.0)
+    assert sent[0]['rows'] == [{'messages': []}] * 2, 'only the messages travel'
+    assert [t.request.data_dict for t in games] == [{'solution': '4'}] * 2 + [{'solution': '5'}] * 2
 
 
 def test_rows_without_env_config_only_where_no_env_plays(tmp_path):

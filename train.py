@@ -12,7 +12,7 @@ Implements "6. 训练" of the GYM-env document; colocate mode by default, server
 The flags and their checks are in config.py; the task's own rules (extra rewards, held-out rows,
 success, its expert) come from its env class (env.py). LoRA (peft), several processes (torchrun)
 and a GPU are options: docs/speed-and-scaling.md.
-Left out: learning-rate schedules, reward models, FSDP/DeepSpeed.
+Left out: learning-rate decay, reward models, FSDP/DeepSpeed.
 """
 import dataclasses
 import os
@@ -187,7 +187,7 @@ def evaluate(source, task: Task, args: Args) -> dict:
     columns, rewards = grpo.rewards(games, task.reward_names, task.reward_weights, args.use_gym_env)
     names = task.reward_names + ['gym'] * args.use_gym_env
     result = {'reward': rewards.mean().item(),
-              **{f'reward/{n}': columns[:, k].mean().item() for k, n in enumerate(names)},
+              **{f'reward/{n}': columns[:, k].nanmean().item() for k, n in enumerate(names)},
               'valid_actions': valid_share(games), **tool_use(games),
               'turns': sum(t.num_turns for t in games) / len(games)}
     wins = [task.env_cls.is_success(t.rollout_infos) for t in games]
