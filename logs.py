@@ -133,7 +133,8 @@ class RunLog:
         record = {
             'step': step,
             'reward': rewards.mean().item(),
-            **{f'reward/{n}': columns[:, i].nanmean().item() for i, n in enumerate(self.column_names)},
+            **{f'reward/{n}': columns[:, i].nanmean().item()
+               for i, n in enumerate(self.column_names)},
             'zero_adv_groups': 1 - spread.float().mean().item(),
             'env_errors': sum(t.stop_reason == 'error' for t in trajectories),
             'valid_actions': valid_share(trajectories),
@@ -186,7 +187,8 @@ class RunLog:
         shown = [show(example, self.tokenizer) for example in examples]
         for text in shown:
             print('  example:', text.replace('\n', '\n  '))
-        self._write({'step': step, **{f'eval/{k}': v for k, v in result.items()}}, '\n\n'.join(shown))
+        self._write({'step': step, **{f'eval/{k}': v for k, v in result.items()}},
+                    '\n\n'.join(shown))
 
     def finish(self, before, after, env_cls):
         """The before/after line, curve.png and agent.png."""

@@ -124,7 +124,8 @@ def load_models(args: Args, rank: int = 0):
     if args.beta and args.resume and os.path.exists(warm):
         ref_model = frozen(load_policy(warm, args, device))
     elif args.beta and not hasattr(model, 'peft_config'):
-        ref_model = frozen(AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32).to(device))
+        ref_model = frozen(AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
+                           .to(device))
     return tokenizer, model, ref_model, optimizer, state['step'] if state else 0
 
 

@@ -27,7 +27,7 @@ import urllib.error
 import urllib.request
 import uuid
 from types import SimpleNamespace
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 from pydantic import BaseModel, Field, ValidationError
 
@@ -90,9 +90,28 @@ async def run_all(scheduler, requests):
     return await asyncio.gather(*[scheduler.run(r) for r in requests])
 
 
+def checked_request(body: bytes, max_trajectories: int, gym_env: Optional[str]):
+    """The /rollout request, or an HTTP error that says what is wrong with it; gym_env None: the
+    scheduler plays no env, so rows need none."""
+    from fastapi import HTTPException
+    try:
+        request = RolloutRequest.model_validate_json(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise HTTPException(422, f'bad rollout request: {first["loc"]}: {first["msg"]}') from None
+    if len(request.rows) * request.num_generations > max_trajectories:
+        raise HTTPException(413, f'{len(request.rows)} rows x {request.num_generations} '
+                                 f'generations is over the limit of {max_trajectories} '
+                                 'trajectories per request (server.py --max_trajectories)')
+    for i, row in enumerate(request.rows if gym_env else []):
+        if env_name(row, gym_env) not in envs:
+            raise HTTPException(422, f"row {i}: env {env_name(row, gym_env)!r} is not registered; "
+                                     f"registered: {', '.join(sorted(envs))}")
+    return request
+
+
 def build_app(scheduler, engine, identity: dict, max_trajectories: int, max_weight_bytes: int):
-    """The HTTP routes. Rollouts and weight pushes take turns on the one engine, in a worker thread,
-    so the event loop keeps answering /health while they run."""
+    """The HTTP routes; rollouts and weight pushes take turns on the engine in a worker thread."""
     from fastapi import FastAPI, HTTPException, Request
     from safetensors.torch import load as load_safetensors
     app, engine_lock = FastAPI(), threading.Lock()
@@ -110,27 +129,13 @@ def build_app(scheduler, engine, identity: dict, max_trajectories: int, max_weig
             engine.load_weights(load_safetensors(body).items())
             identity['weight_pushes'] += 1
 
-    @app.get('/health')
-    async def health():
-        return identity
+    app.get('/health')(lambda: identity)
 
     @app.post('/rollout')
     async def rollout(http: Request):
-        try:
-            request = RolloutRequest.model_validate_json(await read_body(http, MAX_ROLLOUT_BYTES))
-        except ValidationError as e:
-            first = e.errors()[0]
-            detail = f'bad rollout request: {first["loc"]}: {first["msg"]}'
-            raise HTTPException(422, detail) from None
-        if len(request.rows) * request.num_generations > max_trajectories:
-            raise HTTPException(413, f'{len(request.rows)} rows x {request.num_generations} '
-                                     f'generations is over the limit of {max_trajectories} '
-                                     'trajectories per request (server.py --max_trajectories)')
-        for i, row in enumerate(request.rows if isinstance(scheduler, GYMScheduler) else []):
-            if env_name(row, identity['gym_env']) not in envs:
-                name = env_name(row, identity['gym_env'])
-                raise HTTPException(422, f"row {i}: env {name!r} is not registered; "
-                                         f"registered: {', '.join(sorted(envs))}")
+        plays_env = isinstance(scheduler, GYMScheduler)  # then each row's env must be known
+        request = checked_request(await read_body(http, MAX_ROLLOUT_BYTES), max_trajectories,
+                                  identity['gym_env'] if plays_env else None)
         trajectories = await asyncio.to_thread(play, request)
         return {'boot': identity['boot'], 'trajectories': trajectories}
 
@@ -138,7 +143,7 @@ def build_app(scheduler, engine, identity: dict, max_trajectories: int, max_weig
     async def update_weights(http: Request):
         body = await read_body(http, max_weight_bytes)
         try:
-            await asyncio.to_thread(push, body)
+            await asyncio.to_thread(push, body)  # a thread: the loop still answers /health
         except Exception as e:  # not safetensors, or tensors the model does not have
             raise HTTPException(400, f'bad weights: {type(e).__name__}: {e}') from None
         return {'boot': identity['boot']}

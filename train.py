@@ -225,7 +225,7 @@ def main(args: Args):
     if warm:  # ---- 0. a warm start on the env's expert ----
         warm_start(model, source, task.rows, args, tokenizer, rank, world)
         ref_model = frozen(model) if args.beta else None  # GRPO's anchor: where it starts
-        if rank == 0:  # kept as checkpoint-0 (never deleted): GRPO resumes from it, or it's the model
+        if rank == 0:  # checkpoint-0, never deleted: GRPO resumes from it, or it's the model
             save_checkpoint(model, tokenizer, optimizer, 0, args)
         if args.eval_steps and args.max_steps:  # step 0 of --eval_steps: after the warm start
             evaluation(log, source, task, args, 0, 'during')
