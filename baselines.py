@@ -132,8 +132,9 @@ if __name__ == '__main__':
                         help='with --forks: maps whose start is the fork')
     parser.add_argument('--reason', action='store_true',
                         help='with --forks: rows whose replies say what lies toward G first')
-    parser.add_argument('--coin_at_forks', action='store_true',
-                        help="with --forks: rows whose expert decides each fork by a coin")
+    parser.add_argument('--coin_at_forks', type=float, nargs='?', const=0.5, default=0.0,
+                        help='with --forks: rows whose expert steps into the hole at a fork with '
+                             'this probability (alone: 0.5, a fair coin)')
     parser.add_argument('--completions', help="print the fork moves of a run's completions.jsonl")
     args = parser.parse_args()
     if args.completions:
@@ -144,7 +145,7 @@ if __name__ == '__main__':
         raise SystemExit
     if args.forks:
         config = {'observation': args.observation, **({'reason': True} if args.reason else {}),
-                  **({'coin_at_forks': True} if args.coin_at_forks else {})}
+                  **({'coin_at_forks': args.coin_at_forks} if args.coin_at_forks else {})}
         rows = fork_rows(args.forks, config, args.at_start)
         print('\n'.join(json.dumps(row) for row in rows))
         raise SystemExit

@@ -9,6 +9,8 @@ machine (docs/speed-and-scaling.md has the commands and the numbers):
     python bench.py gpu                # on a CUDA machine: 3 steps of train.py --engine hf on the
                                        # GPU, full and LoRA; with vLLM also --engine vllm in bf16
                                        # (sleep, wake, weight push each step): loss, gap, times
+    .venv/bin/python bench.py openenv  # FrozenLake in process against the same env served by
+                                       # openenv_gym.py: an env step, and 2 training steps
 
 --model picks the policy (default: the embedded model, which plays the short games of a run's
 first steps; a checkpoint of a trained run plays the longer games of its last ones).
@@ -19,7 +21,7 @@ import statistics
 import time
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-parser.add_argument('part', choices=['rollout', 'update', 'eval', 'sync', 'gpu'],
+parser.add_argument('part', choices=['rollout', 'update', 'eval', 'sync', 'gpu', 'openenv'],
                     help='what to time')
 parser.add_argument('--model', help='model folder or checkpoint; default: the embedded model')
 parser.add_argument('--repeats', type=int, default=3, help='timed repeats of each variant')
@@ -61,6 +63,71 @@ if cli.part == 'gpu':  # before anything loads: train.py does the work, a proces
                   f"train {m['train_s']:.1f}s sync {m['sync_s']:.2f}s")
         print(f'{name}: {time.time() - t0:.0f}s in all, start-up included ({out})', flush=True)
     print('' if len(runs) > 2 else 'no vLLM here: the sleep, wake and push round trip was not run')
+    sys.exit(0)
+
+if cli.part == 'openenv':  # the server in its own venv; train.py runs in processes of its own
+    import asyncio
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    import urllib.request
+    from env import RolloutInferRequest, envs
+    from openenv_gym import OpenEnvWrapper
+    import frozen_lake  # noqa: F401  (registers envs['frozen_lake'])
+    port = 8000 + os.getpid() % 1000
+    server = subprocess.Popen(['.venv-openenv/bin/python', 'openenv_gym.py', '--port', str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    url = f'http://127.0.0.1:{port}'
+    for _ in range(120):  # its start-up
+        try:
+            urllib.request.urlopen(url + '/health', timeout=2).read()
+            break
+        except OSError:
+            time.sleep(1)
+    wait = [{'role': 'assistant', 'content': 'wait'}]  # unreadable: the game goes on, nobody moves
+
+    async def local_steps(n):
+        env = envs['frozen_lake']({'seed': 0})
+        await env.reset(RolloutInferRequest([], {'env_config': {'seed': 0}}))
+        t0 = time.time()
+        for _ in range(n):
+            await env.step(wait)
+        return (time.time() - t0) / n
+
+    def served_steps(n):
+        session = OpenEnvWrapper({'base_url': url, 'reset_kwargs': {'seed': 0}})
+        session.reset()
+        t0 = time.time()
+        for _ in range(n):
+            session.step({'message': 'wait'})
+        session.close()
+        return (time.time() - t0) / n
+
+    try:
+        local = statistics.median(asyncio.run(local_steps(200)) for _ in range(cli.repeats))
+        served = statistics.median(served_steps(200) for _ in range(cli.repeats))
+        print(f'an env step: {local * 1e3:.3f} ms in process, {served * 1e3:.3f} ms served '
+              f'(median of {cli.repeats} x 200)')
+        for name, config, flags in [  # the same maps (seeds 0..rows-1) both ways
+                ('in process', lambda s: {'seed': s}, []),
+                ('served', lambda s: {'base_url': url, 'reset_kwargs': {'seed': s}},
+                 ['--multi_turn_scheduler', 'openenv_scheduler'])]:
+            out = tempfile.mkdtemp(prefix='bench-openenv-')
+            with open(os.path.join(out, 'rows.jsonl'), 'w') as f:
+                f.writelines(json.dumps({'messages': [], 'env_config': config(s)}) + '\n'
+                             for s in range(cli.rows))
+            t0 = time.time()
+            run = subprocess.run([sys.executable, 'train.py', '--dataset', f.name, '--max_steps',
+                                  '2', '--eval_size', '0', '--warm_start_steps', '0',
+                                  '--max_completion_length', '16', '--reward_funcs',
+                                  '--output_dir', out, '--save_only_model', 'true', *flags],
+                                 capture_output=True, text=True)
+            if run.returncode:
+                sys.exit(f'{name}: train.py failed: {run.stderr[-2000:]}')
+            print(f'2 training steps, {name}: {time.time() - t0:.0f} s, start-up included')
+    finally:
+        server.kill()
     sys.exit(0)
 
 os.environ.setdefault('TORCH_CPP_LOG_LEVEL', 'ERROR')  # read as torch loads: quiets a NUMA line

@@ -14,7 +14,8 @@ env_config keys: `size` (4), `p` (0.8), `seed` (None: a fresh map each reset), `
 ('goal': the goal-direction line; 'around': it and what lies each way; 'position': the player's row
 and column instead, as ms-swift's plugin); `reason` (false; true: the reply first says what
 lies each way toward the goal, 'Down is a hole, left is ice.', then the move, and so does the
-expert; with `position`, which shows no goal line, the expert's reply begins with it).
+expert; with `position`, which shows no goal line, the expert's reply begins with it);
+`coin_at_forks` (the expert steps into a fork's hole with this probability; true: 0.5).
 
 The dynamics equal Gymnasium's `FrozenLake-v1(desc=..., is_slippery=False)` (test_all.py checks).
 Left out: slippery ice; ms-swift's reading of the *last* direction word of an untagged reply.
@@ -179,7 +180,7 @@ def progress_reward(messages: Messages) -> float:
     net progress (wandering, bumping an edge, unreadable replies), negative further away.
     Distances are Manhattan; a hole ends the walk where it is. The walk is replayed from the first
     board and the replies, so it needs nothing but the messages. Why it is the default rather than
-    `format`: docs/results.md, "Why seed 1 wandered"."""
+    `format`: docs/notebook.md, "Why seed 1 wandered"."""
     # BEGIN SOLUTION exercise 1: the progress reward
     board = next(m['content'] for m in messages if m['role'] == 'user').splitlines()
     grid = [''.join(cells) for cells in map(str.split, board)
@@ -198,7 +199,7 @@ def progress_reward(messages: Messages) -> float:
 
 class FrozenLakeEnv(Env):
     default_reward_funcs = {'progress': 0.5}  # what `python train.py --env frozen_lake` trains with
-    train_defaults = {  # and its recipe (docs/results.md, "Teach it the forks"): 12 supervised
+    train_defaults = {  # and its recipe (docs/notebook.md, "Teach it the forks"): 12 supervised
         # steps on fork maps, the expert saying what lies toward G, at 5x the RL rate; then GRPO
         'dataset': 'forks.jsonl', 'warm_start_steps': 12, 'warm_start_learning_rate': 1e-4,
         'max_completion_length': 24, 'max_steps': 8}
@@ -246,7 +247,8 @@ class FrozenLakeEnv(Env):
         self.seed = int(seed) if seed is not None else None
         self.reason = bool(env_config.get('reason', False))
         self.observation = env_config.get('observation', 'goal')
-        self.coin_at_forks = bool(env_config.get('coin_at_forks', False))
+        coin = env_config.get('coin_at_forks', False)  # true: a fair coin; a number: P(the hole)
+        self.coin_at_forks = 0.5 if coin is True else float(coin)
         if self.observation not in ('goal', 'around', 'position'):
             raise ValueError(f'env_config observation {self.observation!r}: choose goal, around or '
                              'position')
@@ -294,7 +296,7 @@ class FrozenLakeEnv(Env):
         at = self.grid, self.row, self.col
         move = expert_move(self.grid, (self.row, self.col))
         hole = fork_hole(*at)
-        if self.coin_at_forks and hole and self.coin.random() < 0.5:
+        if hole and self.coin.random() < self.coin_at_forks:
             move = hole  # a fork decided by a coin: the supervised phase leaves it to the reward
         move = f'<action>{move}</action>'
         if not self.reason:

@@ -225,6 +225,18 @@ def test_the_fork_dataset_balances_the_word_the_hole_is_in():
     assert all(r['env_config']['reason'] for r in start)
 
 
+@pytest.mark.parametrize('coin, share', [(True, 0.5), (0.25, 0.25), (False, 0.0)])
+def test_the_experts_coin_steps_into_a_forks_hole_as_often_as_it_says(coin, share):
+    import baselines
+    rows = baselines.fork_rows(200, {'observation': 'around', 'coin_at_forks': coin}, at_start=True)
+    holes = 0
+    for row in rows:  # each map's start is a fork: the expert's first reply decides it
+        env = frozen_lake.FrozenLakeEnv(row['env_config'])
+        asyncio.run(env.reset(RolloutInferRequest([], row)))
+        holes += frozen_lake.parse_action(env.expert_reply()) == frozen_lake.fork_hole(env.grid, env.row, env.col)
+    assert abs(holes / len(rows) - share) < 0.08, f'coin_at_forks {coin}: the hole {holes} of {len(rows)} times'
+
+
 def test_the_fork_moves_of_a_run_are_counted_per_step(tmp_path):
     """baselines.py --completions: at S (G 3 down and 3 right; right is a hole) one walk steps into
     the hole, one goes down (the first word, around it), one bumps the edge; off a fork, nothing."""
