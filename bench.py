@@ -188,8 +188,9 @@ if cli.part == 'update':
     trajectories = rollout(scheduler_on(engine), games())
     del engine
     every = torch.ones(len(trajectories), dtype=torch.bool)
-    scores = grpo.Scores(None, None, None, torch.randn(len(trajectories), 1), every, every,
-                         list(range(len(trajectories))))
+    scores = grpo.Scores(columns=None, rewards=None, advantages=None,
+                         turn_advantages=torch.randn(len(trajectories), 1), valid=every,
+                         in_loss=every, trained=list(range(len(trajectories))))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: a step's work, weights kept
     body = sum(p.numel() for name, p in model.named_parameters() if 'embed' not in name)
     matmuls, a = [], torch.randn(2048, 2048)

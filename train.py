@@ -92,7 +92,8 @@ def warm_start(model, source, rows, args: Args, tokenizer, rank=0, world=1):
         games = expert.rollout(picked, 1, 0.0)
         everyone = torch.ones(len(games), dtype=torch.bool)
         ones = torch.ones(len(games), max([t.num_turns for t in games] + [1]))
-        scores = grpo.Scores(None, None, None, ones, everyone, everyone, list(range(len(games))))
+        scores = grpo.Scores(columns=None, rewards=None, advantages=None, turn_advantages=ones,
+                             valid=everyone, in_loss=everyone, trained=list(range(len(games))))
         stats = train_step(model, None, optimizer, games, scores, supervised,
                            tokenizer.pad_token_id)
         if rank == 0:

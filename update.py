@@ -3,7 +3,7 @@
 `train_step` runs it in four phases, each a function below:
 1. the normalisers' counts, added up over every process (`grpo.Counts`), and the micro-batches
    (`step_batches`: those that train, and the valid ones that only get measured);
-2. logp_old and the KL anchor's logprobs, without gradients (`anchors`);
+2. logp_old and the KL anchor's logprobs, without gradients (`reference_logprobs`);
 3. one pass over the micro-batches that train: each one's per-token losses (`grpo.token_loss`),
    one number (`grpo.aggregate`), backward (`one_pass`); the first pass also measures the others
    (`measure`), so that `entropy` and `logprob_gap` cover every valid sampled token;
@@ -27,14 +27,7 @@ SUMS = ('loss', 'kl', 'clipped', 'entropy', 'gap', 'is_clipped', 'computed')  # 
 
 def train_step(model, ref_model, optimizer, trajectories, scores: grpo.Scores, args: Args,
                pad_id: int) -> dict:
-    """README "The algorithm", steps 3-5, on this process's share of the step's trajectories:
-    1. the normalisers' counts over every process (grpo.Counts), and the micro-batches;
-    2. logp_old and the KL anchor's logprobs, without gradients (`anchors`);
-    3. a pass over the micro-batches that train: per-token losses, one number each, backward
-       (`one_pass`); the first pass also measures the others, so that `entropy` and
-       `logprob_gap` cover every valid sampled token (`measure`);
-    4. the gradients added up over the processes, clipped, one optimizer step (`step_optimizer`);
-       3-4 once per --num_iterations. `updated`: whether any process had anything to train."""
+    """The four phases of the module's docstring; `updated`: whether any process trained."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     local = torch.tensor(dataclasses.astuple(grpo.count(trajectories, scores)), dtype=torch.float64)
     counts = grpo.Counts(*all_sum(local.to(model.device), world).tolist())
@@ -43,7 +36,7 @@ def train_step(model, ref_model, optimizer, trajectories, scores: grpo.Scores, a
     stats = {'loss': 0.0, 'kl': 0.0, 'clip_ratio': 0.0, 'grad_norm': 0.0, 'skipped': 0,
              'is_clipped': 0.0, 'updated': counts.trained > 0}
     model.train()  # gradient checkpointing is active in train mode only (Llama has no dropout)
-    old, ref = anchors(model, ref_model, trained, args)
+    old, ref = reference_logprobs(model, ref_model, trained, args)
     is_weights, passes = [None] * len(trained), args.num_iterations if counts.trained else 0
     for iteration in range(max(passes, 1)):  # nothing trains anywhere: measure only, no step
         optimizer.zero_grad(set_to_none=True)
@@ -148,7 +141,7 @@ def token_logprobs(model, batch: batching.MicroBatch, temperature: float = 1.0, 
     # END SOLUTION
 
 
-def anchors(model, ref_model, batches, args: Args):
+def reference_logprobs(model, ref_model, batches, args: Args):
     """(logp_old, the KL anchor's logprobs), per micro-batch, without gradients; None when not
     needed: logp_old (the policy before this step) only with --num_iterations > 1, the anchor
     (load_models) only with --beta > 0 (with LoRA: the same model, adapters off)."""
@@ -169,7 +162,8 @@ def measure(model, batches, args: Args) -> torch.Tensor:
     with torch.no_grad(), precision(args, model.device):
         for b in batches:
             logprobs, entropies = token_logprobs(model, b, args.temperature)
-            sums[3:5] += torch.stack([(entropies * b.loss_mask).sum(), gap(logprobs, b)]).double()
+            sums[SUMS.index('entropy')] += (entropies * b.loss_mask).sum().double()
+            sums[SUMS.index('gap')] += gap(logprobs, b).double()
     return sums
 
 
