@@ -12,6 +12,7 @@ import contextlib
 import copy
 import dataclasses
 import importlib.util
+import inspect
 import json
 import multiprocessing
 import os
@@ -1214,6 +1215,8 @@ def test_ex7_env_conformance(plugin, name, tokenizer, tmp_path):
     load_plugins([plugin] if plugin else [])
     ours = {'counting_lake', 'echo', 'broken_lake', 'slow'}  # this file's own test envs
     assert name in envs, f'set GYM_ENV to the name the plugin registers: {", ".join(sorted(set(envs) - ours))}'
+    for method in ('reset', 'step', 'close'):
+        assert inspect.iscoroutinefunction(getattr(envs[name], method)), f'{name}.{method}: must be async def'
     rows = envs[name].eval_rows(8, {}) or [{'env_config': {'seed': s}} for s in range(8)]
     first = [asyncio.run(envs[name](dict(r['env_config'])).reset(RolloutInferRequest([]))) for r in rows + rows]
     assert [(o, s) for o, _, s in first[:8]] == [(o, s) for o, _, s in first[8:]], 'the same env_config, another game'
@@ -1345,8 +1348,9 @@ def test_ex3_token_loss_catches_the_common_slips():
     logp = torch.full((1, 3), -0.7, requires_grad=True)
     mask = torch.tensor([[0, 1, 1]])
     per_token, _, _ = grpo.token_loss(logp, logp, torch.tensor([2.0]), mask)
-    loss(per_token, mask).backward()
-    assert logp.grad[0].tolist() == pytest.approx([0.0, -1.0, -1.0]), 'detach old_logprobs inside token_loss'
+    (per_token * mask).sum().backward()  # no aggregate: this checks token_loss alone
+    assert logp.grad[0].tolist() == pytest.approx([0.0, -2.0, -2.0]), (
+        'with logp_old = logp the gradient of each L_t is -A: ratio = exp(logp - logp_old), logp_old detached')
     # the sequence-level ratio averages the sampled tokens only (mask 1), whatever the others hold
     log_ratio = torch.tensor([[5.0, 0.1, 0.3]])
     per_token, _, _ = grpo.token_loss(log_ratio, torch.zeros(1, 3), torch.tensor([1.0]), mask, epsilon=1.0,
@@ -1374,7 +1378,11 @@ def test_ex2_group_advantages_leave_errored_trajectories_out():
     s = 0.5 ** 0.5  # group 1's valid members: 1, 0 -> mean 0.5, sample std sqrt(0.5)
     assert torch.allclose(adv[:3], torch.tensor([0.5 / s, -0.5 / s, 0.0])), 'the mean and std of valid members only'
     assert torch.equal(adv[3:6], torch.zeros(3)), 'a group with one valid member has nothing to compare: A = 0'
-    assert torch.allclose(adv[6:], grpo.group_advantages(rewards[6:], 3, eps=0.0))
+    assert torch.allclose(adv[6:], grpo.group_advantages(rewards[6:], 3, eps=0.0)), 'a group of valid members as usual'
+    b = torch.tensor([1.0, 0.0, 5.0, 1.0, 0.0, 0.0])  # the batch's valid rewards: 1, 0, 1, 0 (sample std 1 / 3 ** 0.5)
+    batch = grpo.group_advantages(b, 3, torch.tensor([True, True, False, True, True, False]), scale='batch', eps=0.0)
+    assert torch.allclose(batch, torch.tensor([0.5, -0.5, 0.0, 0.5, -0.5, 0.0]) * 3 ** 0.5), \
+        'scale batch: the std of the valid rewards only'
     assert spread(rewards, 3, valid) == [0, 1, 6, 7, 8]
 
 
@@ -1480,12 +1488,14 @@ def test_ex3_the_defaults_reproduce_the_plain_loss():
 def test_ex2_advantage_estimators_and_scales_by_hand():
     rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 0.0])
     a = grpo.group_advantages(rewards, 3, estimator='rloo', scale='none')
-    assert torch.allclose(a, torch.tensor([1.0, -0.5, -0.5, 0.5, 0.5, -1.0]))  # r minus the mean of the others
+    assert torch.allclose(a, torch.tensor([1.0, -0.5, -0.5, 0.5, 0.5, -1.0])), 'rloo: r minus the mean of the others'
     s = (1 / 3) ** 0.5  # each group's sample std
-    assert torch.allclose(grpo.group_advantages(rewards, 3, estimator='rloo', eps=0.0), a / s)
+    assert torch.allclose(grpo.group_advantages(rewards, 3, estimator='rloo', eps=0.0), a / s), \
+        'rloo, scale group: divided by the group\'s sample std'
     b = 0.3 ** 0.5  # the batch's sample std: three 1s and three 0s
     assert torch.allclose(grpo.group_advantages(rewards, 3, scale='batch', eps=0.0),
-                          torch.tensor([2 / 3, -1 / 3, -1 / 3, 1 / 3, 1 / 3, -2 / 3]) / b)
+                          torch.tensor([2 / 3, -1 / 3, -1 / 3, 1 / 3, 1 / 3, -2 / 3]) / b), \
+        'scale batch: divided by the sample std of every valid reward of the batch'
     assert torch.allclose(grpo.group_advantages(rewards, 3, scale='none'),
                           torch.tensor([2 / 3, -1 / 3, -1 / 3, 1 / 3, 1 / 3, -2 / 3]))
     args = config.parse_args(['--advantage_estimator', 'rloo'])
@@ -1598,17 +1608,44 @@ def test_ex6_dynamic_sampling_keeps_groups_with_gigpo_signal():
     assert train.collect(Walks(), config.Task(rows, [], Env, [], [1.0]), 1, args)[1] == 0  # informative as it is: no refill
 
 
+def gigpo_walk(states, step_rewards, stop='done'):
+    """A FrozenLake walk: the cell before each reply, the env's rewards; two sampled tokens a turn."""
+    turns = [k for k in range(1, len(states) + 1) for _ in range(2)]
+    segment = Segment([7] * (1 + len(turns)), [0] + [1] * len(turns), [0.0] * (1 + len(turns)), [0] + turns)
+    return Trajectory(RolloutInferRequest([]), [segment], stop_reason=stop, num_turns=len(states),
+                      rollout_infos={'states': states, 'step_rewards': step_rewards, 'total_reward': sum(step_rewards)})
+
+
 def gigpo_walks():
-    def walk(states, step_rewards):  # a FrozenLake walk: the cell before each reply, the env's rewards
-        turns = [k for k in range(1, len(states) + 1) for _ in range(2)]  # two sampled tokens a turn
-        segment = Segment([7] * (1 + len(turns)), [0] + [1] * len(turns), [0.0] * (1 + len(turns)), [0] + turns)
-        return Trajectory(RolloutInferRequest([]), [segment], stop_reason='done', num_turns=len(states),
-                          rollout_infos={'states': states, 'step_rewards': step_rewards,
-                                         'total_reward': sum(step_rewards)})
+    walk = gigpo_walk
     group = [walk([[0, 0], [0, 1]], [0.0, 1.0]),  # right, then down into G
              walk([[0, 0], [0, 1]], [0.0, 0.0]),  # right, then left into a hole: the same cell, another move
              walk([[0, 0]], [0.0])]  # down into a hole at once
     return group
+
+
+def test_ex6_gigpo_groups_turns_by_state_not_by_turn_index():
+    group = [gigpo_walk([[0, 0], [0, 0]], [0.0, 1.0]),  # bumps the edge, then from (0, 0) again: wins
+             gigpo_walk([[0, 0]], [0.0])]  # from (0, 0) into a hole
+    step = grpo.step_advantages(group, 2, gamma=1.0, scale='none')
+    # (0, 0) is met three times: returns 1 (turn 1), 1 (turn 2) and 0; mean 2/3
+    assert torch.allclose(step, torch.tensor([[1 / 3, 1 / 3], [-2 / 3, 0.0]])), \
+        f'a turn is compared with every turn of its group from the same state, whatever its index: {step.tolist()}'
+
+
+def test_ex6_gigpo_leaves_errored_trajectories_out():
+    group = [gigpo_walk([[0, 0]], [1.0]), gigpo_walk([[0, 0]], [0.0]), gigpo_walk([[0, 0]], [0.0], stop='error')]
+    step = grpo.step_advantages(group, 3, gamma=1.0, scale='none')
+    assert torch.allclose(step, torch.tensor([[0.5], [-0.5], [0.0]])), \
+        f'a trajectory whose env raised is in no state\'s statistics and gets 0: {step.tolist()}'
+
+
+def test_ex6_gigpo_divides_by_the_std_plus_eps():
+    group = [gigpo_walk([[0, 0]], [1.0]), gigpo_walk([[0, 0]], [0.0])]
+    step = grpo.step_advantages(group, 2, gamma=1.0, scale='group', eps=0.5)
+    std = 0.5 ** 0.5  # the sample std of 1 and 0
+    assert torch.allclose(step[:, 0], torch.tensor([0.5, -0.5]) / (std + 0.5)), \
+        f'scale group: (G - mean) / (std + eps), eps included: {step.tolist()}'
 
 
 def test_ex6_gigpo_turns_share_the_shaped_reward():
@@ -1953,9 +1990,12 @@ def test_ex4_token_logprobs_match_a_full_forward(tiny_model_dir):
     got, entropies = update.token_logprobs(model, batch, temperature=0.7, chunk=3)
     full = (model(ids).logits[:, :-1] / 0.7).log_softmax(-1)  # (2, 11, V)
     picked = mask[:, 1:].bool()
-    assert torch.allclose(got[:, 1:][picked], full.gather(-1, ids[:, 1:, None])[..., 0][picked], atol=1e-5)
-    assert torch.allclose(entropies[:, 1:][picked], -(full.exp() * full).sum(-1)[picked], atol=1e-4)
-    assert (got[mask == 0] == 0).all() and (entropies[mask == 0] == 0).all() and not entropies.requires_grad
+    assert torch.allclose(got[:, 1:][picked], full.gather(-1, ids[:, 1:, None])[..., 0][picked], atol=1e-5), (
+        'the logprob of token t is log_softmax(logits at t - 1 / temperature) at its id: divide by the temperature')
+    assert torch.allclose(entropies[:, 1:][picked], -(full.exp() * full).sum(-1)[picked], atol=1e-4), (
+        'the entropy is -sum p log p of the same tempered distribution')
+    assert (got[mask == 0] == 0).all() and (entropies[mask == 0] == 0).all(), 'tokens with mask 0 stay 0'
+    assert not entropies.requires_grad, 'the entropy is a statistic: detach it'
 
 
 def shared_prompt_groups():

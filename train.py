@@ -9,6 +9,12 @@ Implements "6. 训练" of the GYM-env document; colocate mode by default, server
    step per --num_iterations pass (update.py);
 4. sync: push the new weights into the engine (engines.py);
 5. log: one line, metrics.jsonl, completions.jsonl; evaluate and checkpoint every few steps.
+The path of one step, file by file: train.collect -> engines.Colocated.rollout ->
+scheduler.run_multi_turn (on_trajectory_start: the envs' reset; each turn: one batched
+engines.*Engine.generate, then _play_turn: on_turn_end, the env's step, step; trajectory.py keeps
+the tokens) -> train.score_step -> grpo.score (rewards, advantages) -> update.train_step
+(batching.py's micro-batches, token_logprobs, grpo.token_loss and aggregate, step_optimizer) ->
+engines.Colocated.load_weights -> logs.RunLog.step.
 The flags and their checks are in config.py; the task's own rules (extra rewards, held-out rows,
 success, its expert) come from its env class (env.py). LoRA (peft), several processes (torchrun)
 and a GPU are options: docs/speed-and-scaling.md.
