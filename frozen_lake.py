@@ -296,7 +296,7 @@ class FrozenLakeEnv(Env):
         at = self.grid, self.row, self.col
         move = expert_move(self.grid, (self.row, self.col))
         hole = fork_hole(*at)
-        if hole and self.coin.random() < self.coin_at_forks:
+        if hole and self.coin_at_forks and self.coin.random() < self.coin_at_forks:
             move = hole  # a fork decided by a coin: the supervised phase leaves it to the reward
         move = f'<action>{move}</action>'
         if not self.reason:

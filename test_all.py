@@ -1018,6 +1018,8 @@ def test_help_works(program):
 
 
 def test_the_readme_file_table_states_each_files_lines():
+    if '# BEGIN SOLUTION' not in open(os.path.join(HERE, 'grpo.py')).read():
+        pytest.skip('a student copy: its files have blanks where the solutions were')
     table = re.findall(r'^\| `(\w+\.py)` \| (\d+) \|', open(os.path.join(HERE, 'README.md')).read(), re.M)
     assert len(table) >= 7, table
     for name, lines in table:
@@ -1193,7 +1195,7 @@ def test_rows_without_env_config_only_where_no_env_plays(tmp_path):
     flags = plain_rows(tmp_path, QUESTIONS)
     with pytest.raises(UserError, match='plain.jsonl:1: the row has no env_config object'):
         config.check_args(config.parse_args(flags[:-2] + ['--use_gym_env', 'false', '--reward_funcs', 'short']))
-    with pytest.raises(UserError, match="--warm_start_steps 2: the warm start plays the env's expert"):
+    with pytest.raises(UserError, match='--warm_start_steps 2: no expert, since --multi_turn_scheduler react_calculator plays no env'):
         config.check_args(config.parse_args(flags + ['--reward_funcs', 'short', '--warm_start_steps', '2']))
 
 
