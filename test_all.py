@@ -1981,6 +1981,22 @@ def step_records(folder):
 
 
 @slow
+def test_ms_swift_rewards_train_a_plain_dataset_end_to_end(tmp_path, tiny_model_dir):
+    """ms-swift's ToolCallScheduler (verbatim) on a plain dataset, its rewards ms-swift's ORM
+    classes reading the `solution` column: train.py trains and evaluates, no env anywhere."""
+    flags = plain_rows(tmp_path, QUESTIONS) + ['--use_gym_env', 'false', '--reward_funcs', 'answer', 'short']
+    run = subprocess.run([sys.executable, 'train.py', '--model', tiny_model_dir, '--output_dir', str(tmp_path / 'out'),
+                          '--engine', 'hf', '--max_steps', '2', '--rows_per_step', '2', '--num_generations', '2',
+                          '--max_turns', '2', '--max_completion_length', '8', '--eval_size', '2', *flags],
+                         cwd=HERE, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    steps = step_records(tmp_path / 'out')
+    assert len(steps) == 2 and all({'reward/answer', 'reward/short'} <= set(m) for m in steps)
+    evals = [json.loads(line) for line in open(tmp_path / 'out' / 'metrics.jsonl') if '"eval/reward"' in line]
+    assert len(evals) == 2 and 'eval/success' not in evals[0]  # held out: the last row; no env says what success is
+
+
+@slow
 def test_ex4_token_logprobs_match_a_full_forward(tiny_model_dir):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
