@@ -121,6 +121,7 @@ if cli.part == 'openenv':  # the server in its own venv; train.py runs in proces
             run = subprocess.run([sys.executable, 'train.py', '--dataset', f.name, '--max_steps',
                                   '2', '--eval_size', '0', '--warm_start_steps', '0',
                                   '--max_completion_length', '16', '--reward_funcs',
+                                  '--max_turns', '1',  # one reply a game: the same work both ways
                                   '--output_dir', out, '--save_only_model', 'true', *flags],
                                  capture_output=True, text=True)
             if run.returncode:
