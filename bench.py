@@ -75,6 +75,9 @@ if cli.part == 'openenv':  # the server in its own venv; train.py runs in proces
     from env import RolloutInferRequest, envs
     from openenv_gym import OpenEnvWrapper
     import frozen_lake  # noqa: F401  (registers envs['frozen_lake'])
+    if not os.path.exists('.venv-openenv/bin/python'):
+        sys.exit('bench.py openenv: needs .venv-openenv (python3 -m venv .venv-openenv && '
+                 '.venv-openenv/bin/pip install openenv==0.10.0)')
     port = 8000 + os.getpid() % 1000
     server = subprocess.Popen(['.venv-openenv/bin/python', 'openenv_gym.py', '--port', str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
