@@ -9,7 +9,7 @@
    either way. Anything else: status 'invalid', no reward, and the question asked again.
 4. The expert (`expert_reply`): calls the calculator on the problem, then answers with the
    result; when the tool is withheld, it answers at once (it knows; a model must compute).
-Beside the env: held-out problems (seeds 100000..), `is_success`, and `draw` (agent.png).
+Beside the env: held-out problems (seeds 100000..), a win (the right answer), `draw` (agent.png).
 """
 import ast
 import json
@@ -23,7 +23,6 @@ from tools import tools
 SYSTEM_PROMPT = ('You solve arithmetic problems exactly. Give the final result as '
                  '<answer>NUMBER</answer> and nothing else.')
 ANSWER = re.compile(r'<answer>\s*(-?\d+)\s*</answer>')
-EVAL_SEED_BASE = 100_000  # held-out problems: far from data.jsonl's seeds 0..127
 OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
              ast.USub: operator.neg}
 
@@ -57,15 +56,7 @@ class ArithmeticEnv(Env):
     tools = ['calculator']
     train_defaults = {'warm_start_steps': 8, 'max_steps': 8, 'max_turns': 3,  # docs/results.md
                       'max_completion_length': 48}
-
-    @classmethod
-    def eval_rows(cls, n, env_config):
-        return [{'messages': [], 'env_config': {**env_config, 'seed': EVAL_SEED_BASE + i}}
-                for i in range(n)]
-
-    @classmethod
-    def is_success(cls, rollout_infos):
-        return rollout_infos.get('total_reward', 0.0) >= 1.0
+    eval_seed_base, success_reward = 100_000, 1.0  # held out: far from data.jsonl's 0..127
 
     @classmethod
     def draw(cls, ax, rollout_infos):

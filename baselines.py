@@ -18,8 +18,8 @@ the fork is the start itself (19% of maps): forks.jsonl, the default dataset, is
 `python baselines.py --forks 1024 --at_start --reason`.
 
 `python baselines.py --completions output/completions.jsonl` reads a run's training games
-instead: per step, at the forks its walks met, the moves into the hole, around it, and the goal
-line's first word (docs/results.md's fork counts).
+instead: per step, at the forks its walks met, the moves into the hole (and of them, those into a
+hole the reply had just named), around it, and the goal line's first word (docs/results.md).
 """
 import argparse
 import json
@@ -93,20 +93,24 @@ def fork_rows(n: int, env_config: dict, at_start: bool = False, first_seed: int 
 
 
 def fork_moves(games) -> dict:
-    """{step: [into the hole, around it, the goal line's first word]} over the moves made at
-    forks by the games of a completions.jsonl (each game's map and moves from its rollout_infos)."""
+    """{step: [into the hole, around it, the goal line's first word, into a hole the reply had just
+    named]} over the moves made at forks by the games of a completions.jsonl (each game's map and
+    moves from its rollout_infos, its replies from its messages)."""
     steps = {}
     for game in games:
         grid = game['rollout_infos']['reset_info']['grid']
         cell = find(grid, 'S')
-        for info in game['rollout_infos']['step_infos']:
+        replies = [m['content'] for m in game.get('messages', []) if m['role'] == 'assistant']
+        for k, info in enumerate(game['rollout_infos']['step_infos']):
             kind, move = fork(grid, cell), info.get('action')
             if kind and move:
-                words, counts = goal_words(grid, cell), steps.setdefault(game['step'], [0, 0, 0])
+                words, counts = goal_words(grid, cell), steps.setdefault(game['step'], [0] * 4)
                 hole = words[0] if kind == 'first' else words[1]
                 counts[0] += move == hole
                 counts[1] += move in words and move != hole
                 counts[2] += move == words[0]
+                said = replies[k] if k < len(replies) else ''  # FrozenLake: a reply a step
+                counts[3] += move == hole and bool(re.search(rf'\b{move} is a hole', said, re.I))
             cell = tuple(info.get('position', cell))
     return steps
 
@@ -138,10 +142,10 @@ if __name__ == '__main__':
     parser.add_argument('--completions', help="print the fork moves of a run's completions.jsonl")
     args = parser.parse_args()
     if args.completions:
-        for step, (hole, around, first) in sorted(fork_moves(map(json.loads,
-                                                                 open(args.completions))).items()):
-            print(f'step {step}: at forks, {hole} moves into the hole, {around} around it, '
-                  f"{first} the goal line's first word")
+        for step, (hole, around, first, named) in sorted(
+                fork_moves(map(json.loads, open(args.completions))).items()):
+            print(f'step {step}: at forks, {hole} moves into the hole ({named} named a hole by its '
+                  f"reply), {around} around it, {first} the goal line's first word")
         raise SystemExit
     if args.forks:
         config = {'observation': args.observation, **({'reason': True} if args.reason else {}),

@@ -123,6 +123,9 @@ class Args:
                                                      'given: --learning_rate')
     warm_start_steps: int = flag(0, "supervised steps on the env's expert games "
                                     '(Env.expert_reply) before GRPO')
+    warm_start_generations: int = flag(1, 'games the expert plays on each row a supervised step '
+                                          'picks: an expert that decides by a coin then shows '
+                                          'each choice both ways for the same prompt')
     # ---- run ----
     max_steps: int = flag(26, 'optimizer steps')
     eval_steps: int = flag(0, 'evaluate every N steps, and after a warm start (0: only before '
@@ -200,6 +203,7 @@ LIMITS = {  # flag: (lowest allowed, what it means)
     'rows_per_step': (1, 'at least one row'), 'max_completion_length': (1, 'at least one token'),
     'micro_batch_size': (1, 'at least one trajectory'), 'num_iterations': (1, 'at least one pass'),
     'max_steps': (0, 'not negative'), 'warm_start_steps': (0, 'not negative'),
+    'warm_start_generations': (1, 'at least one game a row'),
     'eval_steps': (0, 'not negative'), 'eval_size': (0, 'not negative'),
     'save_steps': (1, 'at least 1'), 'beta': (0, 'not negative'), 'epsilon': (0, 'not negative'),
     'eval_temperature': (0, 'not negative'), 'vllm_kv_cache_gib': (0, 'not negative'),

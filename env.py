@@ -61,16 +61,25 @@ class Env(ABC):
     tools: List[str] = []  # tools.tools names its trajectories may call (a row's `tools` overrides)
     train_defaults: Dict[str, Any] = {}  # train.py flag values where the command line gives none
 
+    eval_seed_base: Optional[int] = None  # held-out rows: a training row's env_config, seeds
+    success_reward: Optional[float] = None  # from here on; success: total_reward at least this
+
     @classmethod
     def eval_rows(cls, n: int, env_config: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:
         """n held-out rows to evaluate on, with the settings of a training row's env_config;
-        None: hold out rows of the training dataset."""
-        return None
+        None (no eval_seed_base): hold out rows of the training dataset."""
+        if cls.eval_seed_base is None:
+            return None
+        return [{'messages': [], 'env_config': {**env_config, 'seed': cls.eval_seed_base + i}}
+                for i in range(n)]
 
     @classmethod
     def is_success(cls, rollout_infos: Dict[str, Any]) -> Optional[bool]:
-        """Whether a finished trajectory solved the task; None: evaluation gives the mean reward."""
-        return None
+        """Whether a finished trajectory solved the task; None (no success_reward): evaluation
+        gives the mean reward."""
+        if cls.success_reward is None:
+            return None
+        return rollout_infos.get('total_reward', 0.0) >= cls.success_reward
 
     draw = None  # optional classmethod draw(ax, rollout_infos): a game on an axis (agent.png)
 

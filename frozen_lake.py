@@ -22,7 +22,7 @@ Left out: slippery ice; ms-swift's reading of the *last* direction word of an un
 """
 import random
 import re
-from collections import deque
+from collections import Counter, deque
 from typing import List, Optional
 
 from env import Env, Messages, RolloutInferRequest, envs, reward_funcs
@@ -41,6 +41,7 @@ REASON_PROMPT = SYSTEM_PROMPT.split('Reply with')[0] + (  # env_config reason
 
 _TAG = re.compile(r'<action>\s*(\w+)\s*</action>', re.IGNORECASE)
 _WORD = re.compile(r'\b(up|down|left|right)\b', re.IGNORECASE)
+PLAYS = Counter()  # games begun on each map seed in this process
 EVAL_SEED_BASE = 100_000  # held-out maps use seeds 100000.. : far from data.jsonl's 0..127
 
 
@@ -203,15 +204,7 @@ class FrozenLakeEnv(Env):
         # steps on fork maps, the expert saying what lies toward G, at 5x the RL rate; then GRPO
         'dataset': 'forks.jsonl', 'warm_start_steps': 12, 'warm_start_learning_rate': 1e-4,
         'max_completion_length': 24, 'max_steps': 8}
-
-    @classmethod
-    def eval_rows(cls, n, env_config):  # the training rows' size, p and observation; fresh seeds
-        return [{'messages': [], 'env_config': {**env_config, 'seed': EVAL_SEED_BASE + i}}
-                for i in range(n)]
-
-    @classmethod
-    def is_success(cls, rollout_infos):
-        return rollout_infos.get('total_reward', 0.0) >= 1.0
+    eval_seed_base, success_reward = EVAL_SEED_BASE, 1.0  # held-out maps; a win: reaching G
 
     @classmethod
     def draw(cls, ax, rollout_infos):
@@ -266,7 +259,9 @@ class FrozenLakeEnv(Env):
     async def reset(self, config: RolloutInferRequest):
         self.grid = generate_random_map(self.size, self.p, self.seed)
         self.row, self.col = find(self.grid, 'S')
-        self.coin = random.Random(self.seed)  # the expert's coin (coin_at_forks): the map's own
+        plays = PLAYS[self.seed]  # the expert's coin (coin_at_forks): the map's own, and each
+        PLAYS[self.seed] += 1  # later game on the map in this process tosses one of its own
+        self.coin = random.Random(self.seed if not plays else f'{self.seed}/{plays}')
         system = REASON_PROMPT if self.reason else SYSTEM_PROMPT
         return self.board(), {'seed': self.seed, 'grid': self.grid}, system
 

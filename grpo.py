@@ -289,7 +289,7 @@ class Counts:
     tokens: float  # sampled tokens of the trajectories in the loss (bnpo)
     trajectories: float  # valid trajectories, those --overlong_filter leaves out included (grpo)
     sampled: float  # sampled tokens of every valid trajectory (dapo; the entropy and gap means)
-    trained: float  # trajectories the update computes (none anywhere: no optimizer step)
+    n_trained: float  # trajectories the update computes (none anywhere: no optimizer step)
 
     def denominator(self, loss_type: str, budget: float) -> float:
         """budget: the batch's trajectories x max_turns x max_completion_length (dr_grpo's)."""
@@ -304,7 +304,7 @@ def count(trajectories, scores: Scores) -> Counts:
     return Counts(tokens=float(sum(k for k, ok in zip(n, scores.in_loss) if ok)),
                   trajectories=float(scores.valid.sum()),
                   sampled=float(sum(k for k, ok in zip(n, scores.valid) if ok)),
-                  trained=float(len(scores.trained)))
+                  n_trained=float(len(scores.trained)))
 
 
 def rollout_is_weights(old_logprobs, engine_logprobs, loss_mask, mode: str, threshold: float):

@@ -94,8 +94,9 @@ def warm_start(model, source, rows, args: Args, tokenizer, rank=0, world=1):
     source.sleep()  # (the expert needs no engine)
     for step in range(1, args.warm_start_steps + 1):
         games_a_step = min(len(rows), args.rows_per_step * args.num_generations)
-        picked = rng.sample(rows, games_a_step)[rank::world]
-        games = expert.rollout(picked, 1, 0.0)
+        per_row = args.warm_start_generations
+        picked = rng.sample(rows, max(games_a_step // per_row, 1))[rank::world]
+        games = expert.rollout(picked, per_row, 0.0)
         everyone = torch.ones(len(games), dtype=torch.bool)
         ones = torch.ones(len(games), max([t.num_turns for t in games] + [1]))
         scores = grpo.Scores(columns=None, rewards=None, advantages=None, turn_advantages=ones,

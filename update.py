@@ -34,10 +34,10 @@ def train_step(model, ref_model, optimizer, trajectories, scores: grpo.Scores, a
     budget = args.rows_per_step * args.num_generations * args.max_turns * args.max_completion_length
     trained, measured = step_batches(model, trajectories, scores, args, pad_id)
     stats = {'loss': 0.0, 'kl': 0.0, 'clip_ratio': 0.0, 'grad_norm': 0.0, 'skipped': 0,
-             'is_clipped': 0.0, 'updated': counts.trained > 0}
+             'is_clipped': 0.0, 'updated': counts.n_trained > 0}
     model.train()  # gradient checkpointing is active in train mode only (Llama has no dropout)
     old, ref = reference_logprobs(model, ref_model, trained, args)
-    is_weights, passes = [None] * len(trained), args.num_iterations if counts.trained else 0
+    is_weights, passes = [None] * len(trained), args.num_iterations if counts.n_trained else 0
     for iteration in range(max(passes, 1)):  # nothing trains anywhere: measure only, no step
         optimizer.zero_grad(set_to_none=True)
         denominator = counts.denominator(args.loss_type, budget)
