@@ -41,6 +41,8 @@ if cli.part == 'gpu':  # before anything loads: train.py does the work, a proces
     import sys
     import tempfile
     import importlib.util
+    from importlib.metadata import version
+    print(', '.join(f'{name} {version(name)}' for name in ('torch', 'transformers', 'peft')))
     runs = [('full', 'hf', 'float32'), ('lora', 'hf', 'float32')]  # then, where vLLM is there,
     runs += [('full', 'vllm', 'bfloat16')] if importlib.util.find_spec('vllm') else []  # each
     for tuner, engine, dtype in runs:  # step's sleep -> update -> wake -> weight push, in bf16

@@ -124,8 +124,11 @@ class Args:
     warm_start_steps: int = flag(0, "supervised steps on the env's expert games "
                                     '(Env.expert_reply) before GRPO')
     warm_start_generations: int = flag(1, 'games the expert plays on each row a supervised step '
-                                          'picks: an expert that decides by a coin then shows '
-                                          'each choice both ways for the same prompt')
+                                          'picks (it picks rows_per_step x num_generations / '
+                                          'this rows), numbered in the column expert_game: an '
+                                          'expert that decides by a coin tosses one a game '
+                                          '(FrozenLake coin_at_forks), others play the same '
+                                          'game again')
     # ---- run ----
     max_steps: int = flag(26, 'optimizer steps')
     eval_steps: int = flag(0, 'evaluate every N steps, and after a warm start (0: only before '
@@ -293,6 +296,10 @@ def check_args(args: Args) -> Task:
     rows = load_dataset(args.dataset, args.gym_env, plays_env)
     if hasattr(multi_turns[args.multi_turn_scheduler], 'check_rows'):  # e.g. its servers answer
         multi_turns[args.multi_turn_scheduler].check_rows(rows)
+    games = args.rows_per_step * args.num_generations
+    if args.warm_start_generations > games:
+        raise UserError(f'--warm_start_generations {args.warm_start_generations}: more than the '
+                        f'games of a step (--rows_per_step x --num_generations = {games})')
     if args.warm_start_steps and not plays_env:
         raise UserError(f'--warm_start_steps {args.warm_start_steps}: no expert, since '
                         f'--multi_turn_scheduler {args.multi_turn_scheduler} plays no env')

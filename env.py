@@ -61,8 +61,8 @@ class Env(ABC):
     tools: List[str] = []  # tools.tools names its trajectories may call (a row's `tools` overrides)
     train_defaults: Dict[str, Any] = {}  # train.py flag values where the command line gives none
 
-    eval_seed_base: Optional[int] = None  # held-out rows: a training row's env_config, seeds
-    success_reward: Optional[float] = None  # from here on; success: total_reward at least this
+    eval_seed_base: Optional[int] = None  # held-out rows: env_config seeds from this one on
+    success_reward: Optional[float] = None  # a success: total_reward at least this
 
     @classmethod
     def eval_rows(cls, n: int, env_config: Dict[str, Any]) -> Optional[List[Dict[str, Any]]]:

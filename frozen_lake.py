@@ -22,7 +22,7 @@ Left out: slippery ice; ms-swift's reading of the *last* direction word of an un
 """
 import random
 import re
-from collections import Counter, deque
+from collections import deque
 from typing import List, Optional
 
 from env import Env, Messages, RolloutInferRequest, envs, reward_funcs
@@ -41,7 +41,6 @@ REASON_PROMPT = SYSTEM_PROMPT.split('Reply with')[0] + (  # env_config reason
 
 _TAG = re.compile(r'<action>\s*(\w+)\s*</action>', re.IGNORECASE)
 _WORD = re.compile(r'\b(up|down|left|right)\b', re.IGNORECASE)
-PLAYS = Counter()  # games begun on each map seed in this process
 EVAL_SEED_BASE = 100_000  # held-out maps use seeds 100000.. : far from data.jsonl's 0..127
 
 
@@ -259,9 +258,8 @@ class FrozenLakeEnv(Env):
     async def reset(self, config: RolloutInferRequest):
         self.grid = generate_random_map(self.size, self.p, self.seed)
         self.row, self.col = find(self.grid, 'S')
-        plays = PLAYS[self.seed]  # the expert's coin (coin_at_forks): the map's own, and each
-        PLAYS[self.seed] += 1  # later game on the map in this process tosses one of its own
-        self.coin = random.Random(self.seed if not plays else f'{self.seed}/{plays}')
+        game = config.data_dict.get('expert_game', 0) if config else 0  # the warm start's k-th
+        self.coin = random.Random(self.seed if not game else f'{self.seed}/{game}')  # game's coin
         system = REASON_PROMPT if self.reason else SYSTEM_PROMPT
         return self.board(), {'seed': self.seed, 'grid': self.grid}, system
 

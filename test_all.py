@@ -1311,21 +1311,56 @@ def test_the_experts_coin_steps_into_a_forks_hole_as_often_as_it_says(coin, shar
 
 
 def test_each_game_on_a_map_tosses_its_own_coin():
-    """--warm_start_generations plays a map several times: the first game keeps the map's own coin
-    (random.Random(seed)), each later one in the process draws another, so that a coin-deciding
-    expert shows a fork both ways for the same prompt."""
+    """--warm_start_generations numbers the expert's games on a row (column expert_game): game 0
+    tosses the map's own coin (random.Random(seed)), each later one another, so that a
+    coin-deciding expert shows a fork both ways for the same prompt; the same number, the same
+    coin, whatever was played before."""
     import baselines
     (row,) = baselines.fork_rows(2, {'observation': 'around', 'coin_at_forks': 0.5},
-                                 at_start=True, first_seed=987_654)[:1]
-    moves = []
-    for _ in range(16):
+                                 at_start=True)[:1]
+
+    def move(game):
         env = frozen_lake.FrozenLakeEnv(row['env_config'])
-        asyncio.run(env.reset(RolloutInferRequest([], row)))
-        moves.append(frozen_lake.parse_action(env.expert_reply()))
-        first_coin = random.Random(row['env_config']['seed']).random() < 0.5
+        asyncio.run(env.reset(RolloutInferRequest([], {**row, 'expert_game': game})))
+        return env, frozen_lake.parse_action(env.expert_reply())
+    moves = [move(game)[1] for game in range(16)]
     assert len(set(moves)) == 2, f'16 games on one fork map, one coin each: both sides, got {moves}'
-    hole = frozen_lake.fork_hole(env.grid, env.row, env.col)
-    assert (moves[0] == hole) == first_coin, "the map's first game tosses the map's own coin"
+    assert [move(game)[1] for game in range(16)] == moves, 'the same game number, the same coin'
+    env, first = move(0)
+    own = random.Random(row['env_config']['seed']).random() < 0.5
+    assert (first == frozen_lake.fork_hole(env.grid, env.row, env.col)) == own, \
+        "game 0 tosses the map's own coin, as without --warm_start_generations"
+
+
+@pytest.mark.parametrize('world', [1, 2])
+def test_the_warm_start_plays_each_picked_row_n_times(monkeypatch, world):
+    """--warm_start_generations 4: a step picks rows_per_step x num_generations / 4 rows (at most
+    the dataset's) and plays each 4 times, its games numbered 0-3 (expert_game); under torchrun
+    the processes share the games out."""
+    import train
+    played = []
+    monkeypatch.setattr(train, 'ExpertScheduler', lambda *a, **k: None)
+    monkeypatch.setattr(train, 'Colocated', lambda engine, scheduler: SimpleNamespace(
+        rollout=lambda rows, n, temperature: played.append((rows, n)) or []))
+    monkeypatch.setattr(train, 'train_step', lambda *a: {'logprob_gap': 0.0})
+    source = SimpleNamespace(load_weights=lambda model: None, sleep=lambda: None,
+                             wake_up=lambda: None)
+    args = config.Args(warm_start_steps=1, warm_start_generations=4)  # 4 rows x 8: 32 games
+    for rows in ([{'env_config': {'seed': s}} for s in range(100)],
+                 [{'env_config': {'seed': s}} for s in range(5)]):
+        played.clear()
+        for rank in range(world):
+            train.warm_start(torch.nn.Linear(1, 1), source, rows, args,
+                             SimpleNamespace(pad_token_id=0), rank, world)
+        games = [(g['env_config']['seed'], g['expert_game']) for got, n in played for g in got]
+        assert all(n == 1 for _, n in played), 'the expert plays each game once: they are numbered'
+        seeds = sorted({seed for seed, _ in games})
+        assert len(seeds) == min(len(rows), 8), f'{len(rows)} rows: {len(seeds)} picked, not 8'
+        assert sorted(games) == [(s, k) for s in seeds for k in range(4)], \
+            'every picked row played 4 times, games 0-3, shared out among the processes'
+    with pytest.raises(UserError, match=r'^--warm_start_generations 64: more than the games of a '
+                                        r'step \(--rows_per_step x --num_generations = 32\)'):
+        config.check_args(config.parse_args(['--warm_start_generations', '64']))
 
 
 def test_the_fork_moves_of_a_run_are_counted_per_step(tmp_path):
@@ -3493,7 +3528,8 @@ def test_the_warm_start_is_supervised_learning(tiny_model_dir, per_row):
     # reply tokens)
     picked = random.Random(args.seed).sample(rows, 4 // per_row)
     games = rollout(ExpertScheduler(None, 10, tokenizer=tokenizer, gym_env='frozen_lake'),
-                    requests_for(picked, per_row))
+                    requests_for([{**r, 'expert_game': k} for r in picked for k in range(per_row)],
+                                 1))
     model.zero_grad()
     logits, targets = [], []
     for t in games:

@@ -93,10 +93,11 @@ def warm_start(model, source, rows, args: Args, tokenizer, rank=0, world=1):
     rng = random.Random(args.seed)
     source.sleep()  # (the expert needs no engine)
     for step in range(1, args.warm_start_steps + 1):
-        games_a_step = min(len(rows), args.rows_per_step * args.num_generations)
-        per_row = args.warm_start_generations
-        picked = rng.sample(rows, max(games_a_step // per_row, 1))[rank::world]
-        games = expert.rollout(picked, per_row, 0.0)
+        per_row = args.warm_start_generations  # games a row; a row's k-th game says so
+        picked = rng.sample(rows, min(len(rows), args.rows_per_step * args.num_generations
+                                      // per_row))
+        games = expert.rollout([{**row, 'expert_game': k} for row in picked
+                                for k in range(per_row)][rank::world], 1, 0.0)
         everyone = torch.ones(len(games), dtype=torch.bool)
         ones = torch.ones(len(games), max([t.num_turns for t in games] + [1]))
         scores = grpo.Scores(columns=None, rewards=None, advantages=None, turn_advantages=ones,
