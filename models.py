@@ -94,6 +94,7 @@ def load_models(args: Args, rank: int = 0):
     GRPO starts from: --model (with LoRA: the same model, its adapters off, so None here), or
     after a warm start the warm-started model (`frozen`; on --resume, checkpoint-0)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    quiet()
     start, device = args.model or embedded_model(), pick_device(args.device)
     path, state = start, None
     if args.resume:

@@ -2130,6 +2130,14 @@ def test_data_jsonl_matches_the_document():
     assert all(r['messages'] == [{'role': 'user', 'content': '<placeholder>'}] for r in rows)
 
 
+def test_warmup_ratio_ramps_the_learning_rate_linearly_then_holds():
+    import train
+    args = config.Args(learning_rate=1e-4, warmup_ratio=0.25, max_steps=8)  # a ramp of 2 steps
+    assert [train.learning_rate(args, s) for s in (1, 2, 3, 8)] == [5e-5, 1e-4, 1e-4, 1e-4]
+    flat = config.Args(learning_rate=1e-4)  # --warmup_ratio 0: the full rate from step 1
+    assert train.learning_rate(flat, 1) == 1e-4, 'no warm-up: the full rate at once'
+
+
 @pytest.mark.parametrize('content, message', [
     ('{"env_config": {"seed": 0}}\n{oops\n', 'bad.jsonl:2: malformed JSON'),
     ('{"messages": []}\n', 'bad.jsonl:1: the row has no env_config'),
@@ -3319,7 +3327,9 @@ def lora_sync_gaps(model_dir):
 @vllm_available
 def test_lora_weights_reach_vllm_merged(tiny_model_dir):
     before, stale, after = in_fresh_process(lora_sync_gaps, tiny_model_dir)
-    assert before < 1e-3 and stale > 0.1 and after < 1e-3, (before, stale, after)
+    # the adapters' step moves the tiny model less than a full one (0.05 seen): 1e-2 is still
+    # four orders above the gap after a push
+    assert before < 1e-3 and stale > 1e-2 and after < 1e-3, (before, stale, after)
 
 
 @slow

@@ -40,7 +40,7 @@ from config import Args, Task, check_args, parse_args  # noqa: E402
 from engines import Colocated, make_engine  # noqa: E402
 from env import UserError  # noqa: E402
 from logs import RunLog, success_interval, tool_use, valid_share  # noqa: E402
-from models import frozen, load_models, pick_device, quiet, save_checkpoint  # noqa: E402
+from models import frozen, load_models, pick_device, save_checkpoint  # noqa: E402
 from scheduler import ExpertScheduler, make_scheduler  # noqa: E402
 from server import RolloutClient  # noqa: E402
 from update import train_step  # noqa: E402
@@ -218,10 +218,26 @@ def evaluation(log: RunLog, source, task: Task, args: Args, step: int, tag: str)
     return result
 
 
+def learning_rate(args: Args, step: int) -> float:
+    """--learning_rate, reached linearly over --warmup_ratio of the steps, then constant."""
+    return args.learning_rate * min(1.0, step / max(1.0, args.warmup_ratio * args.max_steps))
+
+
+def warm_phase(model, source, task, args, tokenizer, optimizer, log, rank, world):
+    """The warm start, then checkpoint-0 (never deleted: GRPO resumes from it, or it is the model)
+    and, with --eval_steps, its evaluation at step 0. Returns GRPO's KL anchor (with --beta): the
+    model GRPO starts from."""
+    warm_start(model, source, task.rows, args, tokenizer, rank, world)
+    if rank == 0:
+        save_checkpoint(model, tokenizer, optimizer, 0, args)
+    if args.eval_steps and args.max_steps:
+        evaluation(log, source, task, args, 0, 'during')
+    return frozen(model) if args.beta else None
+
+
 def main(args: Args):
     task = check_args(args)  # every input check, before a model loads
     rank, world = start_processes(args)
-    quiet()
     torch.manual_seed(args.seed + rank)  # the transformers engine's sampling; vLLM takes --seed
     tokenizer, model, ref_model, optimizer, start = load_models(args, rank)
     source = make_rollouts(args, model, tokenizer, rank)
@@ -231,22 +247,16 @@ def main(args: Args):
     before = evaluation(log, source, task, args, start - warm, 'before')
     if args.eval_only:
         return before
-    if warm:  # ---- 0. a warm start on the env's expert ----
-        warm_start(model, source, task.rows, args, tokenizer, rank, world)
-        ref_model = frozen(model) if args.beta else None  # GRPO's anchor: where it starts
-        if rank == 0:  # checkpoint-0, never deleted: GRPO resumes from it, or it's the model
-            save_checkpoint(model, tokenizer, optimizer, 0, args)
-        if args.eval_steps and args.max_steps:  # step 0 of --eval_steps: after the warm start
-            evaluation(log, source, task, args, 0, 'during')
+    if warm:  # ---- 0. a warm start on the env's expert; GRPO's KL anchor where it ends ----
+        ref_model = warm_phase(model, source, task, args, tokenizer, optimizer, log, rank, world)
     for step in log.progress(range(start + 1, args.max_steps + 1), start, args.max_steps):
         t0 = time.time()  # ---- 1. rollout: this step's rows, a group of trajectories each ----
         trajectories, rounds = collect(source, task, step, args, rank, world)
         t1 = time.time()  # ---- 2. rewards and advantages ----
         scores = score_step(trajectories, task, args)
         source.sleep()  # ---- 3. update, on the trajectories that train ----
-        ramp = max(1.0, args.warmup_ratio * args.max_steps)  # --warmup_ratio's steps
         for group in optimizer.param_groups:
-            group['lr'] = args.learning_rate * min(1.0, step / ramp)
+            group['lr'] = learning_rate(args, step)
         stats = train_step(model, ref_model, optimizer, trajectories, scores, args,
                            tokenizer.pad_token_id)
         source.wake_up()

@@ -89,6 +89,19 @@ def rewards_and_advantages(group, names, gamma: float) -> grpo.Scores:
     return scores
 
 
+def the_weights(b, order, counts, budget, first):
+    """Step 5: the weight each --loss_type gives one sampled token, d loss / d L_t."""
+    rows = []
+    for loss_type in ('bnpo', 'grpo', 'dr_grpo'):
+        values = torch.zeros_like(b.advantages, requires_grad=True)  # per-token losses L_t
+        grpo.aggregate(values, b.loss_mask, b.trajectory_tokens, loss_type,
+                       counts.denominator(loss_type, budget)).backward()
+        rows.append([loss_type] + [first(values.grad, i) for i in range(4)])
+    table(f'5. The weight of one sampled token ({counts.tokens:.0f} tokens, '
+          f'{counts.trajectories:.0f} trajectories, dr_grpo budget {budget} = 4 x 5 turns x 16)',
+          ['loss_type'] + order, rows)
+
+
 def the_loss(group, names, scores: grpo.Scores):
     """Steps 3-5: the loss at ratio 1 and its gradient, each --loss_type's token weights, and a
     second pass whose ratios have moved, where the clip acts."""
@@ -113,15 +126,7 @@ def the_loss(group, names, scores: grpo.Scores):
           [(k, first(b.advantages, i), first(logprobs.grad, i),
             'likelier' if first(logprobs.grad, i) < 0 else 'less likely')
            for i, k in enumerate(order)])
-    rows = []
-    for loss_type in ('bnpo', 'grpo', 'dr_grpo'):
-        values = torch.zeros_like(b.advantages, requires_grad=True)  # per-token losses L_t
-        grpo.aggregate(values, b.loss_mask, b.trajectory_tokens, loss_type,
-                       counts.denominator(loss_type, budget)).backward()  # d loss/d L_t: its weight
-        rows.append([loss_type] + [first(values.grad, i) for i in range(4)])
-    table(f'5. The weight of one sampled token ({counts.tokens:.0f} tokens, '
-          f'{counts.trajectories:.0f} trajectories, dr_grpo budget {budget} = 4 x 5 turns x 16)',
-          ['loss_type'] + order, rows)
+    the_weights(b, order, counts, budget, first)
     shift = torch.tensor([[-0.3], [0.1], [0.3], [0.3]]) * b.advantages.sign()  # C: the wrong way
     moved = (logprobs.detach() + shift).requires_grad_()
     loss, clipped = loss_of(moved, logprobs.detach())
