@@ -439,6 +439,16 @@ def test_ex2_dynamic_sampling_refills_the_batch_with_informative_groups():
         'too few informative groups: groups without spread fill the batch up to its size'
 
 
+def test_without_shuffling_each_step_takes_the_datasets_next_rows():
+    import train
+    rows = [{'messages': [], 'env_config': {'seed': s}} for s in range(5)]
+    args = config.Args(rows_per_step=2, num_generations=2, train_dataloader_shuffle=False)
+    source = RowRollouts()
+    for step in (1, 2, 3):
+        train.collect(source, config.Task(rows, [], Env, [], [1.0]), step, args)
+    assert source.rows == [0, 1, 2, 3, 4, 0], f'file order, wrapping round: {source.rows}'
+
+
 def test_ex2_dynamic_sampling_processes_draw_different_fresh_rows():
     import train
     rows = [{'messages': [], 'env_config': {'seed': s}} for s in range(8)]
