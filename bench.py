@@ -125,7 +125,8 @@ if cli.part == 'openenv':  # the server in its own venv; train.py runs in proces
             t0 = time.time()
             run = subprocess.run([sys.executable, 'train.py', '--dataset', f.name, '--max_steps',
                                   '2', '--eval_size', '0', '--warm_start_steps', '0',
-                                  '--max_completion_length', '16', '--reward_funcs',
+                                  '--max_completion_length', '16',
+                                  '--reward_funcs',  # none given: the env's reward alone
                                   '--max_turns', '1',  # one reply a game: the same work both ways
                                   '--output_dir', out, '--save_only_model', 'true', *flags],
                                  capture_output=True, text=True)

@@ -72,7 +72,7 @@ class Args:
     # ---- GRPO ----
     num_generations: int = flag(8, 'trajectories per row (the group size), at least 2')
     rows_per_step: int = flag(4, 'dataset rows per optimizer step')
-    train_dataloader_shuffle: bool = flag(True, 'each step a random sample of rows; false: '
+    train_dataloader_shuffle: bool = flag(True, "each GRPO step a random sample of rows; false: "
                                                   "the dataset's next rows, in its order")
     reward_funcs: Optional[List[str]] = flag(None, 'extra reward columns (names the env files '
                                                    "register); not given: the env's own "
@@ -126,8 +126,9 @@ class Args:
     warm_start_steps: int = flag(0, "supervised steps on the env's expert games "
                                     '(Env.expert_reply) before GRPO')
     warm_start_generations: int = flag(1, 'games the expert plays on each row a supervised step '
-                                          'picks (it picks rows_per_step x num_generations / '
-                                          'this rows), numbered in the column expert_game: an '
+                                          'picks (it picks rows_per_step x num_generations // '
+                                          'this rows, at most all), numbered in the column '
+                                          'expert_game: an '
                                           'expert that decides by a coin tosses one a game '
                                           '(FrozenLake coin_at_forks), others play the same '
                                           'game again')
@@ -246,6 +247,9 @@ def check_flags(args):
         raise UserError(f'--warmup_ratio {args.warmup_ratio}: must be in [0, 1]')
     if not 0 <= args.split_dataset_ratio < 1:
         raise UserError(f'--split_dataset_ratio {args.split_dataset_ratio}: must be in [0, 1)')
+    if args.dynamic_sample and not args.train_dataloader_shuffle:
+        raise UserError('--dynamic_sample refills a step with random rows: it needs '
+                        '--train_dataloader_shuffle true')
     for name in args.report_to:
         if name not in ('tensorboard', 'wandb'):
             raise UserError(f'--report_to {name}: choose from tensorboard, wandb')

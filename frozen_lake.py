@@ -259,7 +259,8 @@ class FrozenLakeEnv(Env):
         self.grid = generate_random_map(self.size, self.p, self.seed)
         self.row, self.col = find(self.grid, 'S')
         game = config.data_dict.get('expert_game', 0) if config else 0  # the warm start's k-th
-        self.coin = random.Random(self.seed if not game else f'{self.seed}/{game}')  # game's coin
+        # game's coin: a stream of its own (the map's, Random(seed), would tie it to the cells)
+        self.coin = random.Random(None if self.seed is None else f'coin/{self.seed}/{game}')
         system = REASON_PROMPT if self.reason else SYSTEM_PROMPT
         return self.board(), {'seed': self.seed, 'grid': self.grid}, system
 

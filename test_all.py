@@ -447,6 +447,9 @@ def test_without_shuffling_each_step_takes_the_datasets_next_rows():
     for step in (1, 2, 3):
         train.collect(source, config.Task(rows, [], Env, [], [1.0]), step, args)
     assert source.rows == [0, 1, 2, 3, 4, 0], f'file order, wrapping round: {source.rows}'
+    with pytest.raises(UserError, match=r'^--dynamic_sample refills a step with random rows'):
+        config.check_args(config.parse_args(['--train_dataloader_shuffle', 'false',
+                                             '--dynamic_sample', 'true']))
 
 
 def test_ex2_dynamic_sampling_processes_draw_different_fresh_rows():
@@ -1321,10 +1324,9 @@ def test_the_experts_coin_steps_into_a_forks_hole_as_often_as_it_says(coin, shar
 
 
 def test_each_game_on_a_map_tosses_its_own_coin():
-    """--warm_start_generations numbers the expert's games on a row (column expert_game): game 0
-    tosses the map's own coin (random.Random(seed)), each later one another, so that a
-    coin-deciding expert shows a fork both ways for the same prompt; the same number, the same
-    coin, whatever was played before."""
+    """--warm_start_generations numbers the expert's games on a row (column expert_game): each
+    tosses a coin of its own, so that a coin-deciding expert shows a fork both ways for the same
+    prompt; the same number, the same coin, whatever was played before."""
     import baselines
     (row,) = baselines.fork_rows(2, {'observation': 'around', 'coin_at_forks': 0.5},
                                  at_start=True)[:1]
@@ -1336,10 +1338,25 @@ def test_each_game_on_a_map_tosses_its_own_coin():
     moves = [move(game)[1] for game in range(16)]
     assert len(set(moves)) == 2, f'16 games on one fork map, one coin each: both sides, got {moves}'
     assert [move(game)[1] for game in range(16)] == moves, 'the same game number, the same coin'
-    env, first = move(0)
-    own = random.Random(row['env_config']['seed']).random() < 0.5
-    assert (first == frozen_lake.fork_hole(env.grid, env.row, env.col)) == own, \
-        "game 0 tosses the map's own coin, as without --warm_start_generations"
+
+
+def test_the_experts_coin_does_not_depend_on_the_map():
+    """The coin is not the map's random stream: with it, the first toss was cell (0, 0)'s draw,
+    and a hole there (a draw above p) never chose the fork's hole."""
+    import baselines
+    rows = baselines.fork_rows(400, {'observation': 'around', 'coin_at_forks': 0.5}, at_start=True)
+    into = {True: [], False: []}  # is cell (0, 0) a hole -> did the expert step into the hole
+    for row in rows:
+        env = frozen_lake.FrozenLakeEnv(row['env_config'])
+        asyncio.run(env.reset(None))
+        move = frozen_lake.parse_action(env.expert_reply())
+        into[env.grid[0][0] == 'H'].append(move == frozen_lake.fork_hole(env.grid, env.row, env.col))
+    shares = {k: sum(v) / len(v) for k, v in into.items()}
+    assert all(0.3 < share < 0.7 for share in shares.values()), \
+        f'a fair coin whatever the cells: the hole taken {shares} of the time'
+    env = frozen_lake.FrozenLakeEnv({'coin_at_forks': 0.5})  # no seed: a fresh map, a fresh coin
+    coins = [asyncio.run(env.reset(None)) and env.coin.random() for _ in range(2)]
+    assert coins[0] != coins[1], 'no seed: each game its own coin'
 
 
 @pytest.mark.parametrize('world', [1, 2])
@@ -1371,6 +1388,9 @@ def test_the_warm_start_plays_each_picked_row_n_times(monkeypatch, world):
     with pytest.raises(UserError, match=r'^--warm_start_generations 64: more than the games of a '
                                         r'step \(--rows_per_step x --num_generations = 32\)'):
         config.check_args(config.parse_args(['--warm_start_generations', '64']))
+    with pytest.raises(UserError, match=r'^--warm_start_generations 33: more than'):
+        config.check_args(config.parse_args(['--warm_start_generations', '33']))
+    config.check_args(config.parse_args(['--warm_start_generations', '32']))  # all of a step's
 
 
 def test_the_fork_moves_of_a_run_are_counted_per_step(tmp_path):
@@ -3377,6 +3397,8 @@ def test_train_lora_end_to_end_resume_evaluate_and_merge(tmp_path, tiny_model_di
                     '--max_steps', '1', '--eval_size', '0', '--resume', 'true')
     assert ('resumed from' in out and 'warm start' not in out
             and len(step_records(tmp_path / 'warm' / 'out')) == 1)
+    kl = step_records(tmp_path / 'warm' / 'out')[0]['kl']  # --beta 0.1: anchored at checkpoint-0
+    assert kl < 1e-6, f"step 1's KL on --resume is {kl}: the anchor is not checkpoint-0"
     # docs/speed-and-scaling.md's merge: an ordinary model folder that computes what the
     # adapter model computes
     (AutoPeftModelForCausalLM.from_pretrained(folder / 'checkpoint-3').merge_and_unload()
@@ -3573,11 +3595,12 @@ def test_grpo_starts_where_the_warm_start_ends(tmp_path, tiny_model_dir, tuner):
              '--max_steps', '1', '--warm_start_learning_rate', '1e-3', '--beta', '0.1',
              '--tuner_type', tuner, '--engine', 'hf', '--rows_per_step', '2',
              '--num_generations', '2', '--max_turns', '2', '--max_completion_length', '8',
-             '--eval_size', '0']
+             '--eval_size', '2', '--eval_steps', '1']
     run = subprocess.run([sys.executable, 'train.py', '--model', tiny_model_dir,
                           '--output_dir', str(tmp_path / 'out'), *flags],
                          cwd=HERE, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert 'eval during step 0' in run.stdout, '--eval_steps: the warm-started model is evaluated'
     state = torch.load(tmp_path / 'out' / 'checkpoint-0' / 'trainer_state.pt', weights_only=False)
     assert state['optimizer']['state'] == {}, "GRPO's AdamW carries the supervised phase's moments"
     (step,) = step_records(tmp_path / 'out')
