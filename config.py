@@ -2,17 +2,18 @@
 model loads: `Args` (one flat list of flags, ms-swift's names where the concept is the same),
 `parser` (a command line of it), `check_args` (bad input refused in one line, UserError). The
 task's own rules come from its env class: its `train_defaults` (`parse_args`), its reward columns
-(`reward_setup`) and its held-out rows (`env.held_out`, else a share of the dataset).
+(`reward_setup`) and its held-out rows (`held_out`, else a share of the dataset).
 """
 import argparse
 import dataclasses
 import importlib.util
+import json
+import math
 import os
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
-from env import (Env, UserError, env_name, envs, held_out, load_dataset, load_plugins, orms,
-                 reward_funcs)
+from env import Env, UserError, env_name, envs, load_plugins, orms, reward_funcs
 import grpo
 import tools
 from scheduler import GYMScheduler, MultiTurnScheduler, multi_turns
@@ -228,6 +229,52 @@ CHOICES = {
     'rollout_importance_sampling_mode': [None, 'token_truncate', 'token_mask', 'sequence_truncate',
                                          'sequence_mask'],
 }
+
+
+def load_dataset(path: str, gym_env: str = None, plays_env: bool = True) -> List[Dict[str, Any]]:
+    """Read a JSONL dataset; every row must have `messages` and, where an env plays (plays_env: a
+    GYMScheduler), an `env_config` of a known env. Other columns stay, for the rewards."""
+    rows = []
+    try:
+        lines = open(path, encoding='utf-8').read().splitlines()
+    except OSError as e:
+        raise UserError(f'--dataset {path}: {e.strerror}') from None
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f'{path}:{i}'
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f'{where}: malformed JSON ({e.msg})') from None
+        if not isinstance(row, dict) or plays_env and not isinstance(row.get('env_config'), dict):
+            raise UserError(f'{where}: the row has no env_config object')
+        if not isinstance(row.get('messages', []), list):
+            raise UserError(f'{where}: messages must be a list')
+        name = env_name(row, gym_env)
+        if plays_env and name not in envs:
+            got = (f'env {name!r} is not registered' if name
+                   else 'no env: set --gym_env or env_config.name')
+            raise UserError(f'{where}: {got}; registered: {", ".join(sorted(envs)) or "none"}')
+        rows.append(row)
+    if not rows:
+        raise UserError(f'--dataset {path}: no rows')
+    return rows
+
+
+def held_out(rows, env_cls, eval_size: int, ratio: float, dataset: str):
+    """(training rows, evaluation rows): the env's own held-out rows, else the dataset's last."""
+    if not eval_size:
+        return rows, []
+    own = env_cls.eval_rows(eval_size, rows[0]['env_config']) if env_cls else None
+    if own is not None:  # with the training rows' settings, their `tools` column included
+        column = {'tools': rows[0]['tools']} if 'tools' in rows[0] else {}
+        return rows, [{**row, **column} for row in own]
+    n = min(eval_size, math.ceil(len(rows) * ratio))
+    if n >= len(rows):
+        raise UserError(f'--split_dataset_ratio {ratio}: would hold out all {len(rows)} rows of '
+                        f'{dataset}')
+    return rows[:len(rows) - n], rows[len(rows) - n:]
 
 
 def check_flags(args):

@@ -1,4 +1,4 @@
-"""The GYM environment interface, its registries, plugin loading and dataset loading.
+"""The GYM environment interface, its registries and plugin loading.
 
 Implements "Gym 接口", "3. 注册" and "4. 准备数据集" of ms-swift's GYM-env page
 (ms-swift's docs/source/Instruction/GRPO/DeveloperGuide/GYM环境训练.md; link in the README).
@@ -12,16 +12,14 @@ Implements "Gym 接口", "3. 注册" and "4. 准备数据集" of ms-swift's GYM-
    `fn.per_turn = True` says its value on the conversation so far depends only on where the game
    is, so that GiGPO may credit each reply with its change (`grpo.turn_rewards`).
 3. `--external_plugins my_env.py` imports that file by path, so the registrations take effect.
-4. Each dataset row carries `env_config`; `env_config['name']`, when present, picks the env for
-   that row and overrides `--gym_env`.
+4. Each dataset row carries `env_config` (config.load_dataset reads the rows); its `name`, when
+   present, picks the env for that row and overrides `--gym_env`.
 
 An env written for ms-swift runs here after changing only its import lines (README: "Write your
 own env"). Left out: ms-swift's `ContextManager` and env vectorisation (one env object per
 trajectory is what the document describes).
 """
 import importlib.util
-import json
-import math
 import uuid
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -166,49 +164,3 @@ def load_plugins(paths: List[str]) -> None:
 def env_name(row: Dict[str, Any], gym_env: str = None) -> str:
     """The env for a row: `env_config.name` when present, else the global --gym_env."""
     return (row.get('env_config') or {}).get('name') or gym_env
-
-
-def load_dataset(path: str, gym_env: str = None, plays_env: bool = True) -> List[Dict[str, Any]]:
-    """Read a JSONL dataset; every row must have `messages` and, where an env plays (plays_env: a
-    GYMScheduler), an `env_config` of a known env. Other columns stay, for the rewards."""
-    rows = []
-    try:
-        lines = open(path, encoding='utf-8').read().splitlines()
-    except OSError as e:
-        raise UserError(f'--dataset {path}: {e.strerror}') from None
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f'{path}:{i}'
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UserError(f'{where}: malformed JSON ({e.msg})') from None
-        if not isinstance(row, dict) or plays_env and not isinstance(row.get('env_config'), dict):
-            raise UserError(f'{where}: the row has no env_config object')
-        if not isinstance(row.get('messages', []), list):
-            raise UserError(f'{where}: messages must be a list')
-        name = env_name(row, gym_env)
-        if plays_env and name not in envs:
-            got = (f'env {name!r} is not registered' if name
-                   else 'no env: set --gym_env or env_config.name')
-            raise UserError(f'{where}: {got}; registered: {", ".join(sorted(envs)) or "none"}')
-        rows.append(row)
-    if not rows:
-        raise UserError(f'--dataset {path}: no rows')
-    return rows
-
-
-def held_out(rows, env_cls, eval_size: int, ratio: float, dataset: str):
-    """(training rows, evaluation rows): the env's own held-out rows, else the dataset's last."""
-    if not eval_size:
-        return rows, []
-    own = env_cls.eval_rows(eval_size, rows[0]['env_config']) if env_cls else None
-    if own is not None:  # with the training rows' settings, their `tools` column included
-        column = {'tools': rows[0]['tools']} if 'tools' in rows[0] else {}
-        return rows, [{**row, **column} for row in own]
-    n = min(eval_size, math.ceil(len(rows) * ratio))
-    if n >= len(rows):
-        raise UserError(f'--split_dataset_ratio {ratio}: would hold out all {len(rows)} rows of '
-                        f'{dataset}')
-    return rows[:len(rows) - n], rows[len(rows) - n:]

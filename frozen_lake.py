@@ -1,24 +1,14 @@
 """FrozenLake as a text env, every rule in one file: the document's example
-("示例：从零写一个 FrozenLake 环境").
+("示例：从零写一个 FrozenLake 环境"). The dynamics equal Gymnasium's
+`FrozenLake-v1(desc=..., is_slippery=False)` (test_all.py checks); left out: slippery ice and
+ms-swift's reading of the *last* direction word of an untagged reply.
 
-1. `generate_random_map(size, p, seed)`: each cell is ice with probability p, else a hole; S and G
-   at random distinct cells; redrawn until G is reachable (BFS). A seed gives the same map anywhere.
-2. `reset`: the grid in ASCII (S start, G goal, H hole, F ice, P the player) and where the goal lies
-   ('The goal is 2 down and 1 left of you.') as the first user message; SYSTEM_PROMPT as system.
-3. `step`: one move read from the reply (`parse_action`), one cell (off the grid: stay, as in
-   Gymnasium). G: reward 1, done, status 'goal'; H: 0, done, 'hole'; ice: 0, 'ok'; no readable
-   move: 0, 'invalid', and the format restated. --max_turns, not the env, ends a long walk.
-4. Beside the env: its `progress` reward (weight 0.5 by default), a `format` reward, held-out
-   maps (seeds 100000.., never in data.jsonl), its success test (total_reward >= 1), `draw`.
-env_config keys: `size` (4), `p` (0.8), `seed` (None: a fresh map each reset), `observation`
-('goal': the goal-direction line; 'around': it and what lies each way; 'position': the player's row
-and column instead, as ms-swift's plugin); `reason` (false; true: the reply first says what
-lies each way toward the goal, 'Down is a hole, left is ice.', then the move, and so does the
-expert; with `position`, which shows no goal line, the expert's reply begins with it);
-`coin_at_forks` (the expert steps into a fork's hole with this probability; true: 0.5).
-
-The dynamics equal Gymnasium's `FrozenLake-v1(desc=..., is_slippery=False)` (test_all.py checks).
-Left out: slippery ice; ms-swift's reading of the *last* direction word of an untagged reply.
+env_config keys: `size` (4), `p` (0.8: P(ice)), `seed` (None: a fresh map each reset),
+`observation` ('goal': the grid and where the goal lies; 'around': that and what lies each way;
+'position': the player's row and column instead, as ms-swift's plugin), `reason` (false; true:
+the reply, and the expert's, first says what lies each way toward the goal, 'Down is a hole, left
+is ice.', then the move), `coin_at_forks` (the expert steps into a fork's hole with this
+probability; true: 0.5).
 """
 import random
 import re
@@ -115,13 +105,8 @@ def generate_random_map(size: int = 4, p: float = 0.8, seed: Optional[int] = Non
 
 def render(grid: List[str], row: int, col: int) -> str:
     """The grid as text, one row a line, cells separated by spaces, P where the player stands."""
-    lines = []
-    for r, line in enumerate(grid):
-        cells = list(line)
-        if r == row:
-            cells[col] = 'P'
-        lines.append(' '.join(cells))
-    return '\n'.join(lines)
+    return '\n'.join(' '.join('P' if (r, c) == (row, col) else cell for c, cell in enumerate(line))
+                     for r, line in enumerate(grid))
 
 
 def goal_hint(grid: List[str], row: int, col: int) -> str:
@@ -132,12 +117,6 @@ def goal_hint(grid: List[str], row: int, col: int) -> str:
     parts = [f'{abs(d)} {word}' for d, word in ((d_row, 'down' if d_row > 0 else 'up'),
                                                 (d_col, 'right' if d_col > 0 else 'left')) if d]
     return f"The goal is {' and '.join(parts)} of you."
-
-
-def around(grid: List[str], row: int, col: int) -> str:
-    """What lies each way, in the action words: 'Around you: up is ice, down is a hole, left is the
-    edge, right is the goal.' It too only restates the grid."""
-    return f"Around you: {lies(grid, row, col, ('up', 'down', 'left', 'right'))}."
 
 
 def toward_goal(grid: List[str], row: int, col: int) -> str:
@@ -156,14 +135,9 @@ def lies(grid: List[str], row: int, col: int, moves) -> str:
 
 
 def parse_action(reply: str) -> Optional[str]:
-    """The one move a reply names, or None.
-
-    - `<action>x</action>` tags take precedence: all tags must name the same valid move;
-    - with no tag, the reply must name exactly one direction word ('I go down.' -> 'down');
-    - anything else is invalid: no move, an unknown word in a tag, or several different moves
-      ('up or down' -> None), so a model cannot win by listing every direction.
-    Other words around the move are allowed; the `format` reward below asks for the bare tag.
-    """
+    """The one move a reply names, or None. `<action>x</action>` tags take precedence, all naming
+    the same valid move; with no tag, exactly one direction word ('I go down.' -> 'down'). Several
+    moves ('up or down') are invalid, so a model cannot win by listing every direction."""
     tags = _TAG.findall(reply)
     moves = {m.lower() for m in (tags or _WORD.findall(reply))}
     return moves.pop() if len(moves) == 1 and moves <= MOVES.keys() else None
@@ -250,7 +224,8 @@ class FrozenLakeEnv(Env):
         'around': that, and what lies each way; 'position': only where the player is, the
         information ms-swift's FrozenLake plugin gives."""
         goal = goal_hint(self.grid, self.row, self.col)
-        where = {'goal': goal, 'around': f'{goal} {around(self.grid, self.row, self.col)}',
+        around = lies(self.grid, self.row, self.col, ('up', 'down', 'left', 'right'))
+        where = {'goal': goal, 'around': f'{goal} Around you: {around}.',
                  'position': f'You are in row {self.row + 1}, column {self.col + 1} (counting from '
                              'the top left).'}
         return f'{render(self.grid, self.row, self.col)}\n{where[self.observation]} Your move?'

@@ -9,8 +9,7 @@ are the README's "The algorithm", steps 1-6, in that order:
 5. `aggregate`: the per-token losses summed and divided by `--loss_type`'s normaliser, whose
    count (`Counts`) is the whole batch's, so micro-batches and processes add up to one batch.
 6. `Scores.trained`: which trajectories the update computes (the others add nothing).
-`score` does 1, 2 and 6 for a step. The trajectories become model inputs in batching.py.
-Left out: entropy bonuses, REINFORCE++, reward models.
+`score` does 1, 2 and 6 for a step. Left out: entropy bonuses, REINFORCE++, reward models.
 """
 import asyncio
 import inspect

@@ -43,8 +43,7 @@ import config
 import frozen_lake
 import grpo
 from engines import Colocated, Completion, Engine
-from env import (Env, RolloutInferRequest, UserError, envs, load_dataset, load_plugins, orms,
-                 reward_funcs)
+from env import Env, RolloutInferRequest, UserError, envs, load_plugins, orms, reward_funcs
 from frozen_lake import MOVES, generate_random_map, parse_action, shortest_path
 import logs
 import openenv_gym  # noqa: F401  (registers multi_turns['openenv_scheduler'])
@@ -2155,7 +2154,7 @@ def test_evaluation_is_the_tasks_own(tokenizer, tmp_path):
 # ---------------------------------------------------------------- loading, flags and bad input
 
 def test_data_jsonl_matches_the_document():
-    rows = load_dataset(os.path.join(HERE, 'data.jsonl'), 'frozen_lake')
+    rows = config.load_dataset(os.path.join(HERE, 'data.jsonl'), 'frozen_lake')
     assert [r['env_config'] for r in rows] == [{'seed': k} for k in range(128)]
     assert all(r['messages'] == [{'role': 'user', 'content': '<placeholder>'}] for r in rows)
 
@@ -2177,7 +2176,7 @@ def test_warmup_ratio_ramps_the_learning_rate_linearly_then_holds():
 def test_bad_dataset_rows_name_file_and_line(tmp_path, content, message):
     (tmp_path / 'bad.jsonl').write_text(content)
     with pytest.raises(UserError, match=message.replace('.', r'\.')) as e:
-        load_dataset(str(tmp_path / 'bad.jsonl'), 'frozen_lake')
+        config.load_dataset(str(tmp_path / 'bad.jsonl'), 'frozen_lake')
     assert '\n' not in str(e.value)
 
 

@@ -1,24 +1,17 @@
 """GRPO on GYM environments: `python train.py --env frozen_lake`.
 
 Implements "6. 训练" of the GYM-env document; colocate mode by default, server mode with
-`--vllm_mode server` (server.py). Each step (`main`):
-1. rollout: --rows_per_step dataset rows, --num_generations trajectories each (a group shares
-   its row's env_config, so it plays the same map), played against their envs (scheduler.py);
-2. rewards and advantages: reward columns, weighted sum, group-relative advantages (grpo.py);
-3. update: the trainer recomputes the sampled tokens' logprobs, the GRPO loss, one optimizer
-   step per --num_iterations pass (update.py);
-4. sync: push the new weights into the engine (engines.py);
-5. log: one line, metrics.jsonl, completions.jsonl; evaluate and checkpoint every few steps.
+`--vllm_mode server` (server.py). Each step (`main`): 1. rollout, --rows_per_step rows, a group
+of --num_generations trajectories each (one map a group); 2. rewards and advantages; 3. update;
+4. sync the weights into the engine; 5. log, and every few steps evaluate and checkpoint.
 The path of one step, file by file: train.collect -> engines.Colocated.rollout ->
 scheduler.run_multi_turn (on_trajectory_start: the envs' reset; each turn: one batched
 engines.*Engine.generate, then _play_turn: on_turn_end, the env's step, step; trajectory.py keeps
 the tokens) -> train.score_step -> grpo.score (rewards, advantages) -> update.train_step
 (batching.py's micro-batches, token_logprobs, grpo.token_loss and aggregate, step_optimizer) ->
 engines.Colocated.load_weights -> logs.RunLog.step.
-The flags and their checks are in config.py; the task's own rules (extra rewards, held-out rows,
-success, its expert) come from its env class (env.py). LoRA (peft), several processes (torchrun)
-and a GPU are options: docs/speed-and-scaling.md.
-Left out: learning-rate decay, reward models, FSDP/DeepSpeed.
+The flags and their checks are in config.py, the task's own rules in its env class (env.py).
+LoRA, torchrun and GPUs: docs/speed-and-scaling.md. Left out: learning-rate decay, FSDP.
 """
 import dataclasses
 import os
