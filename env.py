@@ -1,7 +1,8 @@
 """The GYM environment interface, its registries and plugin loading.
 
-Implements "Gym 接口", "3. 注册" and "4. 准备数据集" of ms-swift's GYM-env page
-(ms-swift's docs/source/Instruction/GRPO/DeveloperGuide/GYM环境训练.md; link in the README).
+Implements "Gym 接口" and "3. 注册" of ms-swift's GYM-env page (ms-swift's
+docs/source/Instruction/GRPO/DeveloperGuide/GYM环境训练.md; link in the README); config.py reads
+the dataset of "4. 准备数据集".
 
 1. An environment subclasses `Env` and implements three coroutines:
    `reset(config) -> (observation, info, system_message)`,
