@@ -129,10 +129,9 @@ class Args:
     warm_start_generations: int = flag(1, 'games the expert plays on each row a supervised step '
                                           'picks (it picks rows_per_step x num_generations // '
                                           'this rows, at most all), numbered in the column '
-                                          'expert_game: an '
-                                          'expert that decides by a coin tosses one a game '
-                                          '(FrozenLake coin_at_forks), others play the same '
-                                          'game again')
+                                          'expert_game: an expert that decides by a coin tosses '
+                                          'one a game (FrozenLake coin_at_forks), others play '
+                                          'the same game again')
     # ---- run ----
     max_steps: int = flag(26, 'optimizer steps')
     eval_steps: int = flag(0, 'evaluate every N steps, and after a warm start (0: only before '
