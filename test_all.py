@@ -442,13 +442,13 @@ def test_without_shuffling_each_step_takes_the_datasets_next_rows():
     import train
     rows = [{'messages': [], 'env_config': {'seed': s}} for s in range(5)]
     args = config.Args(rows_per_step=2, num_generations=2, train_dataloader_shuffle=False)
-    source = RowRollouts()
+    task, source = config.Task(rows, [], Env, [], [1.0]), RowRollouts()
     for step in (1, 2, 3):
-        train.collect(source, config.Task(rows, [], Env, [], [1.0]), step, args)
+        train.collect(source, task, step, args)
     assert source.rows == [0, 1, 2, 3, 4, 0], f'file order, wrapping round: {source.rows}'
     ranks = [RowRollouts(), RowRollouts()]
     for rank, source in enumerate(ranks):  # under torchrun each process plays its share
-        train.collect(source, config.Task(rows, [], Env, [], [1.0]), 3, args, rank=rank, world=2)
+        train.collect(source, task, 3, args, rank=rank, world=2)
     assert [source.rows for source in ranks] == [[4], [0]], 'the step\'s rows, shared out'
     with pytest.raises(UserError, match=r'^--dynamic_sample refills a step with random rows'):
         config.check_args(config.parse_args(['--train_dataloader_shuffle', 'false',

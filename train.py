@@ -116,8 +116,9 @@ def collect(source, task: Task, step: int, args: Args, rank: int = 0, world: int
     advantage is not 0 (with gigpo: of a turn). Returns (trajectories, rounds used)."""
     rows, g = task.rows, args.num_generations
     rng = random.Random(args.seed * 100_003 + step)  # a step's rows depend on --seed and step only
-    chosen = rng.sample(range(len(rows)), args.rows_per_step)
-    if not args.train_dataloader_shuffle:  # in the file's order, wrapping round at its end
+    if args.train_dataloader_shuffle:
+        chosen = rng.sample(range(len(rows)), args.rows_per_step)
+    else:  # in the file's order, wrapping round at its end
         chosen = [((step - 1) * args.rows_per_step + k) % len(rows)
                   for k in range(args.rows_per_step)]
     trajectories = source.rollout([rows[i] for i in chosen[rank::world]], g, args.temperature)
