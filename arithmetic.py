@@ -69,8 +69,7 @@ class ArithmeticEnv(Env):
         lines.append(f"answer: {steps[-1]['answer']}" if answered else 'no answer')
         ax.text(0.05, 0.5, '\n'.join(lines), va='center', family='monospace', fontsize=8)
         ax.set(xticks=[], yticks=[], title=rollout_infos.get('stop_reason'))
-        won = cls.is_success(rollout_infos)
-        ax.set_facecolor('#d9f2d9' if won else '#f8d7d7')
+        ax.set_facecolor('#d9f2d9' if cls.is_success(rollout_infos) else '#f8d7d7')
 
     async def reset(self, config):
         self.expression = problem(self.env_config.get('seed'))
@@ -83,10 +82,9 @@ class ArithmeticEnv(Env):
         if not found:
             again = f'Give the result as <answer>NUMBER</answer>. {self.question}'
             return again, 0.0, False, {'status': 'invalid'}
-        right = int(found.group(1)) == self.value
-        status = 'right' if right else 'wrong'
-        info = {'status': status, 'answer': int(found.group(1))}
-        return f'That is {status}.', float(right), True, info
+        answer = int(found.group(1))
+        info = {'status': 'right' if answer == self.value else 'wrong', 'answer': answer}
+        return f"That is {info['status']}.", float(answer == self.value), True, info
 
     def expert_reply(self, messages=None):
         if 'calculator' in self.tools and (messages or [{}])[-1].get('role') != 'tool':

@@ -146,16 +146,14 @@ if __name__ == '__main__':
                 fork_moves(map(json.loads, open(args.completions))).items()):
             print(f'step {step}: at forks, {hole} moves into the hole ({named} named a hole by its '
                   f"reply), {around} around it, {first} the goal line's first word")
-        raise SystemExit
-    if args.forks:
+    elif args.forks:
         config = {'observation': args.observation, **({'reason': True} if args.reason else {}),
                   **({'coin_at_forks': args.coin_at_forks} if args.coin_at_forks else {})}
-        rows = fork_rows(args.forks, config, args.at_start)
-        print('\n'.join(json.dumps(row) for row in rows))
-        raise SystemExit
-    maps = [generate_random_map(seed=EVAL_SEED_BASE + i) for i in range(10_000)]
-    for name, policy in POLICIES.items():
-        rng = random.Random(args.seed)
-        won = [wins(grid, policy, rng, args.max_turns) for grid in maps]
-        print(f'{name:28} {sum(won[:256]) / 256:6.1%} of the 256 held-out maps, '
-              f'{sum(won) / len(won):6.1%} of 10,000')
+        print('\n'.join(json.dumps(row) for row in fork_rows(args.forks, config, args.at_start)))
+    else:
+        maps = [generate_random_map(seed=EVAL_SEED_BASE + i) for i in range(10_000)]
+        for name, policy in POLICIES.items():
+            rng = random.Random(args.seed)
+            won = [wins(grid, policy, rng, args.max_turns) for grid in maps]
+            print(f'{name:28} {sum(won[:256]) / 256:6.1%} of the 256 held-out maps, '
+                  f'{sum(won) / len(won):6.1%} of 10,000')

@@ -6,7 +6,7 @@
    share (a group's prompt, the system prompt) appears once, with a 4D attention mask that gives
    every token exactly the outputs the plain forward gives it.
 """
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import List, Optional
 
 import torch
@@ -28,8 +28,7 @@ class MicroBatch:
 
     def to(self, device) -> 'MicroBatch':
         """The same batch with every tensor on `device` (the model's)."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return MicroBatch(**{k: None if v is None else v.to(device) for k, v in values.items()})
+        return MicroBatch(**{k: None if v is None else v.to(device) for k, v in vars(self).items()})
 
 
 MAX_PACKED = 2048  # tokens of a packed row: its attention is a P x P matrix per head and layer
@@ -85,8 +84,7 @@ def micro_batches(trajectories, advantages: torch.Tensor, *, size: int, pad_id: 
 
 def chunks(rows, size: int, share_prompt: bool):
     """The (trajectory, segment) rows in micro-batches of at most `size` segments and, packed, of at
-    most MAX_PACKED new tokens (what a segment adds after the prefix it shares with the one
-    before)."""
+    most MAX_PACKED new tokens (what follows the prefix a segment shares with the one before)."""
     out, packed = [], 0
     for k, (i, s) in enumerate(rows):
         shared = shared_prefix(rows[k - 1][1].token_ids, s.token_ids) if k and share_prompt else 0
@@ -105,8 +103,7 @@ def padded(segments, name: str, fill, width: int) -> torch.Tensor:
 
 
 def one_batch(chunk, num_sampled, per_turn, pad_id: int, share_prompt: bool) -> MicroBatch:
-    """A MicroBatch of (trajectory, segment) rows; per_turn: (b, T) their trajectories'
-    advantages per turn."""
+    """A MicroBatch of (trajectory, segment) rows; per_turn: (b, turns) their advantages by turn."""
     segments = [s for _, s in chunk]
     width = max(len(s.token_ids) for s in segments)
     targets = padded(segments, 'token_ids', pad_id, width)  # (b, T)

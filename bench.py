@@ -16,8 +16,12 @@ machine (docs/speed-and-scaling.md has the commands and the numbers):
 first steps; a checkpoint of a trained run plays the longer games of its last ones).
 """
 import argparse
+import json
 import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 
 parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
@@ -36,10 +40,6 @@ parser.add_argument('--kv_cache_gib', type=float, default=0.5,
 cli = parser.parse_args()
 
 if cli.part == 'gpu':  # before anything loads: train.py does the work, a process of its own a run
-    import json
-    import subprocess
-    import sys
-    import tempfile
     import importlib.util
     from importlib.metadata import version
     print(', '.join(f'{name} {version(name)}' for name in ('torch', 'transformers', 'peft')))
@@ -59,20 +59,15 @@ if cli.part == 'gpu':  # before anything loads: train.py does the work, a proces
             sys.exit(f'{tuner}: train.py failed: {(run.stderr or run.stdout)[-2000:]}')
         name = f'{tuner} {engine} {dtype}'
         for m in (json.loads(line) for line in open(os.path.join(out, 'metrics.jsonl'))):
-            print(f"{name} step {m['step']}: loss {m['loss']:.4f} "
-                  f"logprob_gap {m['logprob_gap']:.2e} "
-                  f"entropy {m['entropy']:.3f} | rollout {m['rollout_s']:.1f}s "
-                  f"train {m['train_s']:.1f}s sync {m['sync_s']:.2f}s")
+            print(f"{name} step {m['step']}: loss {m['loss']:.4f} logprob_gap "
+                  f"{m['logprob_gap']:.2e} entropy {m['entropy']:.3f} | rollout "
+                  f"{m['rollout_s']:.1f}s train {m['train_s']:.1f}s sync {m['sync_s']:.2f}s")
         print(f'{name}: {time.time() - t0:.0f}s in all, start-up included ({out})', flush=True)
     print('' if len(runs) > 2 else 'no vLLM here: the sleep, wake and push round trip was not run')
     sys.exit(0)
 
 if cli.part == 'openenv':  # the server in its own venv; train.py runs in processes of its own
     import asyncio
-    import json
-    import subprocess
-    import sys
-    import tempfile
     import urllib.request
     from env import RolloutInferRequest, envs
     from openenv_gym import OpenEnvWrapper
@@ -145,8 +140,7 @@ import batching  # noqa: E402
 import frozen_lake  # noqa: E402  (registers envs['frozen_lake'])
 import grpo  # noqa: E402
 import update  # noqa: E402
-from config import Args  # noqa: E402
-from config import Task  # noqa: E402
+from config import Args, Task  # noqa: E402
 from engines import Colocated, HFEngine, VLLMEngine, policy_weights  # noqa: E402
 from models import embedded_model, quiet  # noqa: E402
 from train import evaluate  # noqa: E402
@@ -170,8 +164,8 @@ def timed(fn, repeats=cli.repeats):
     return statistics.median(seconds), result
 
 
-def scheduler_on(engine, max_turns=args.max_turns):
-    return GYMScheduler(engine, max_turns, tokenizer=tokenizer, temperature=args.temperature,
+def scheduler_on(engine):
+    return GYMScheduler(engine, args.max_turns, tokenizer=tokenizer, temperature=args.temperature,
                         gym_env='frozen_lake', max_completion_length=args.max_completion_length)
 
 
@@ -223,15 +217,13 @@ if cli.part == 'update':
             flops = (8 if recompute else 6) * body * computed  # forward 2, backward 4, recompute 2
             print(f"gradient checkpointing {'on ' if recompute else 'off'}, shared prompt "
                   f"{'on ' if share else 'off'}: {computed} tokens computed, {seconds:.1f}s "
-                  f"(median "
-                  f'of {cli.repeats}), {flops / seconds / 1e9:.0f} GFLOP/s', flush=True)
+                  f'(median of {cli.repeats}), {flops / seconds / 1e9:.0f} GFLOP/s', flush=True)
     tokens = sum(len(s.token_ids) for t in trajectories for s in t.segments)
-    r = results
     print(f'{len(trajectories)} trajectories, {tokens} tokens; shared prompt: '
-          f'{r[True, False] / r[True, True]:.2f}x with recomputation, '
-          f'{r[False, False] / r[False, True]:.2f}x without; no recomputation: '
-          f'{r[True, True] / r[False, True]:.2f}x (shared); both: '
-          f'{r[True, False] / r[False, True]:.2f}x. '
+          f'{results[True, False] / results[True, True]:.2f}x with recomputation, '
+          f'{results[False, False] / results[False, True]:.2f}x without; no recomputation: '
+          f'{results[True, True] / results[False, True]:.2f}x (shared); both: '
+          f'{results[True, False] / results[False, True]:.2f}x. '
           f'GFLOP/s count 8 (recomputing) or 6 x {body / 1e6:.0f}M non-embedding parameters x '
           f'tokens computed; a 2048x2048 fp32 matmul: {statistics.median(matmuls):.0f} GFLOP/s '
           '(median of 10)')

@@ -5,12 +5,11 @@ task's own rules come from its env class: its `train_defaults` (`parse_args`), i
 (`reward_setup`) and its held-out rows (`held_out`, else a share of the dataset).
 """
 import argparse
-import dataclasses
 import importlib.util
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Dict, List, Optional
 
 from env import Env, UserError, env_name, envs, load_plugins, orms, reward_funcs
@@ -30,79 +29,60 @@ def flag(default, text: str):
 class Args:
     # ---- environment and data (flag names as in ms-swift) ----
     gym_env: str = flag('frozen_lake', 'env for rows without env_config.name (alias --env)')
-    external_plugins: List[str] = flag([], 'python files that register envs, rewards and '
-                                           'schedulers')
+    external_plugins: List[str] = flag([], 'python files that register envs, rewards, schedulers')
     multi_turn_scheduler: str = flag('gym_scheduler', 'a name in scheduler.multi_turns: '
-                                                      'gym_scheduler, hint_scheduler, '
-                                                      "window_scheduler, or a plugin's")
+                                     "gym_scheduler, hint_scheduler, window_scheduler, a plugin's")
     use_gym_env: bool = flag(True, "use the env's total_reward as the last reward column")
     dataset: str = flag('data.jsonl', 'JSONL rows with messages and env_config')
-    split_dataset_ratio: float = flag(0.1, 'share of --dataset held out for evaluation, for envs '
-                                           'without held-out rows of their own')
+    split_dataset_ratio: float = flag(0.1, 'share of --dataset held out (envs with no eval_rows)')
     max_turns: int = flag(10, 'most model replies per trajectory, tool calls included (server '
-                              "mode: must equal the server's)")
-    tool_timeout: float = flag(10.0, 'seconds a tool may take before its call is answered with an '
-                                     'error')
+                          "mode: must equal the server's)")
+    tool_timeout: float = flag(10.0, 'seconds before a tool call is answered with an error')
     # ---- model, engine, device ----
-    model: Optional[str] = flag(None, 'local folder or hub id; not given: the embedded '
-                                      'SmolLM2-135M-Instruct')
-    tuner_type: str = flag('full', 'full fine-tuning, or lora (peft adapters; checkpoints hold '
-                                   'the adapter)')
+    model: Optional[str] = flag(None, 'folder or hub id; not given: embedded SmolLM2-135M-Instruct')
+    tuner_type: str = flag('full', 'full fine-tuning or lora (peft; checkpoints hold the adapters)')
     lora_rank: int = flag(8, "with --tuner_type lora: the adapters' rank")
     lora_alpha: int = flag(32, 'with --tuner_type lora: their scale is lora_alpha / lora_rank')
     target_modules: List[str] = flag(['all-linear'], 'with --tuner_type lora: module names to '
-                                                     'adapt (all-linear: every linear layer but '
-                                                     'the output head)')
-    device: str = flag('auto', 'where the trainer computes: auto (CUDA when torch sees it; under '
-                               "torchrun each process's own GPU), cuda, or cpu")
+                                     'adapt (all-linear: every linear layer but the output head)')
+    device: str = flag('auto', 'where the trainer computes: auto (CUDA if available), cuda, or cpu')
     torch_dtype: str = flag('float32', 'float32, or bfloat16: the forward and backward in bf16 '
-                                       '(weights and optimizer state stay fp32); the engine '
-                                       'samples in the same dtype')
+                            '(weights and optimizer state stay fp32); the engine samples alike')
     engine: str = flag('auto', 'rollout engine: vllm, hf, or auto (vllm when it can start)')
-    vllm_mode: str = flag('colocate', 'colocate: vLLM inside this process; server: rollouts from '
-                                      'server.py')
+    vllm_mode: str = flag('colocate', 'colocate: vLLM in-process; server: rollouts from server.py')
     vllm_gpu_memory_utilization: float = flag(0.3, 'CUDA: share of GPU memory vLLM may take')
     vllm_kv_cache_gib: float = flag(0.5, 'CPU: GiB of RAM for the vLLM KV cache')
     vllm_server_host: str = flag('127.0.0.1', 'server mode: the rollout server address')
     vllm_server_port: int = flag(8000, 'server mode: the rollout server port')
-    vllm_server_pass_dataset: bool = flag(False, "server mode: send each row's env_config to the "
-                                                 "server's envs")
-    vllm_server_timeout: float = flag(240.0, 'server mode: seconds to wait for an answer before '
-                                             'giving up')
+    vllm_server_pass_dataset: bool = flag(False, "server mode: send rows' env_config to the server")
+    vllm_server_timeout: float = flag(240.0, 'server mode: seconds to wait for an answer')
     vllm_max_model_len: int = flag(2048, 'longest trajectory, prompt included, in tokens')
     # ---- GRPO ----
     num_generations: int = flag(8, 'trajectories per row (the group size), at least 2')
     rows_per_step: int = flag(4, 'dataset rows per optimizer step')
-    train_dataloader_shuffle: bool = flag(True, "each GRPO step a random sample of rows; false: "
-                                                  "the dataset's next rows, in its order")
+    train_dataloader_shuffle: bool = flag(True, "false: each step the dataset's next rows in order")
     reward_funcs: Optional[List[str]] = flag(None, 'extra reward columns (names the env files '
-                                                   "register); not given: the env's own "
-                                                   "default_reward_funcs (FrozenLakeEnv's: "
-                                                   'progress)')
+                                             "register); not given: the env's own "
+                                             "default_reward_funcs (FrozenLakeEnv's: progress)")
     reward_weights: Optional[List[float]] = flag(None, 'one weight per column, the gym reward '
-                                                       "last; not given: the env's own "
-                                                       "(FrozenLakeEnv's: progress 0.5, gym 1), "
-                                                       'else all 1')
+                                                 "last; not given: the env's own (FrozenLakeEnv's: "
+                                                 'progress 0.5, gym 1), else all 1')
     loss_type: str = flag('bnpo', "loss normaliser: bnpo (the batch's sampled tokens), dapo (the "
-                                  'same, overlong-filtered ones too), grpo (per trajectory; '
-                                  "ms-swift's default), dr_grpo (a constant)")
-    advantage_estimator: str = flag('grpo', 'grpo (group mean baseline), rloo (leave-one-out '
-                                            'baseline), or gigpo (grpo plus a step-level '
-                                            'advantage per anchor state)')
+                          "same, overlong-filtered ones too), grpo (per trajectory; ms-swift's "
+                          'default), dr_grpo (a constant)')
+    advantage_estimator: str = flag('grpo', 'grpo (group mean baseline), rloo (leave-one-out), or '
+                                    'gigpo (grpo plus a step-level advantage per anchor state)')
     step_advantage_w: float = flag(1.0, "with gigpo: the step-level advantage's weight")
     gamma: float = flag(0.95, 'with gigpo: the discount of the step-level returns')
-    scale_rewards: Optional[str] = flag(None, 'divide advantages by the std of the group, the '
-                                              'batch, or none; not given: group, and none for '
-                                              'rloo (as ms-swift)')
+    scale_rewards: Optional[str] = flag(None, "divide advantages by the group's std, the batch's, "
+                                        'or none; not given: group (rloo: none, as ms-swift)')
     dynamic_sample: bool = flag(False, 'DAPO: replace groups without reward spread by fresh rows')
     max_resample_times: int = flag(3, 'with --dynamic_sample: most extra rollout rounds a step')
     overlong_filter: bool = flag(False, 'leave trajectories cut by a length limit out of the loss')
-    importance_sampling_level: str = flag('token', 'token ratios, or sequence (GSPO: one ratio '
-                                                   'per token sequence)')
-    rollout_importance_sampling_mode: Optional[str] = flag(None, 'engine/trainer mismatch '
-                                                                 'correction: token_truncate, '
-                                                                 'token_mask, sequence_truncate, '
-                                                                 'sequence_mask; not given: off')
+    importance_sampling_level: str = flag('token', 'token or sequence (GSPO: a ratio per sequence)')
+    rollout_importance_sampling_mode: Optional[str] = flag(
+        None, 'engine/trainer mismatch correction: token_truncate, token_mask, sequence_truncate, '
+        'sequence_mask; not given: off')
     rollout_importance_sampling_threshold: float = flag(2.0, 'upper bound of those weights')
     beta: float = flag(0.0, 'KL penalty to the starting model (0: no reference model kept)')
     epsilon: float = flag(0.2, 'lower clip range of the ratio')
@@ -112,41 +92,32 @@ class Args:
     max_completion_length: int = flag(16, 'most tokens in one reply')
     learning_rate: float = flag(2e-5, 'AdamW learning rate')
     warmup_ratio: float = flag(0.0, 'share of --max_steps over which the rate rises linearly to '
-                                    "--learning_rate (then constant): a fresh AdamW's first "
-                                    'steps are as large as its rate, whatever the gradient')
-    micro_batch_size: int = flag(8, 'segments (trajectories, unless a scheduler rewrote history) '
-                                    'per forward/backward: memory, not math')
-    share_prompt: bool = flag(True, "compute each prefix the micro-batch's segments share (a "
-                                    "group's prompt) once: the same loss and gradients, less work")
-    gradient_checkpointing: bool = flag(True, 'recompute activations in backward: less memory '
-                                              '(without it a default run peaked at 10.2 GiB), '
-                                              'about 1.2x more time')
+                               "--learning_rate, then constant (a fresh AdamW's first steps are "
+                               'as large as its rate, whatever the gradient)')
+    micro_batch_size: int = flag(8, 'trajectory segments per forward/backward: memory, not math')
+    share_prompt: bool = flag(True, 'compute shared prompts once: the same gradients, less work')
+    gradient_checkpointing: bool = flag(True, 'recompute activations: less memory, ~1.2x the time')
     max_grad_norm: float = flag(1.0, 'gradient clipping')
     warm_start_learning_rate: Optional[float] = flag(None, "the warm start's learning rate; not "
                                                      'given: --learning_rate')
-    warm_start_steps: int = flag(0, "supervised steps on the env's expert games "
-                                    '(Env.expert_reply) before GRPO')
+    warm_start_steps: int = flag(0, "supervised steps on Env.expert_reply's games before GRPO")
     warm_start_generations: int = flag(1, 'games the expert plays on each row a supervised step '
-                                          'picks (it picks rows_per_step x num_generations // '
-                                          'this rows, at most all), numbered in the column '
-                                          'expert_game: an expert that decides by a coin tosses '
-                                          'one a game (FrozenLake coin_at_forks), others play '
-                                          'the same game again')
+                                       'picks (rows_per_step x num_generations // this rows), '
+                                       "numbered in column expert_game (it seeds a coin's tosses)")
     # ---- run ----
     max_steps: int = flag(26, 'optimizer steps')
-    eval_steps: int = flag(0, 'evaluate every N steps, and after a warm start (0: only before '
-                                 'and after)')
+    eval_steps: int = flag(0, 'evaluate every N steps and after a warm start (0: at start and end)')
     eval_size: int = flag(256, 'most held-out rows to evaluate on (0: no evaluation)')
     eval_temperature: float = flag(0.0, 'sampling temperature of evaluation (0: greedy)')
     eval_only: bool = flag(False, 'evaluate --model and stop')
     save_steps: int = flag(20, 'checkpoint every N steps (and at the end)')
     save_only_model: bool = flag(False, 'checkpoints without the optimizer state (a third of the '
-                                        'size; --resume then starts AdamW afresh)')
+                                 'size; --resume then starts AdamW afresh)')
     output_dir: str = flag('output', 'metrics, completions, checkpoints, plot')
     resume: bool = flag(False, 'continue from the latest checkpoint in --output_dir')
     seed: int = flag(0, "picks each step's rows; seeds vLLM's sampler and torch")
-    report_to: List[str] = flag([], 'dashboards besides metrics.jsonl: tensorboard, wandb '
-                                    '(offline)')
+    report_to: List[str] = flag([], 'dashboards beside metrics.jsonl: tensorboard, wandb (offline)')
+
 
 def truth(text: str) -> bool:
     if text.lower() in ('true', 'yes', '1', 'false', 'no', '0'):
@@ -162,15 +133,14 @@ def shown(value) -> str:
 
 
 def parser(description: str, names=None) -> argparse.ArgumentParser:
-    """A command line of Args' fields (all, or those named): each flag's help ends with its
-    default, unless the default is None, whose meaning the help says itself. A flag not given
-    parses to None (the field's default, in `parse_args`)."""
+    """A command line of Args' fields (all, or those named), each help ending with its default (if
+    None, the help says what it means). A flag not given parses to None: `parse_args` fills it."""
     out = argparse.ArgumentParser(description=description)
-    for f in dataclasses.fields(Args):
+    for f in fields(Args):
         if names is not None and f.name not in names:
             continue
         flags = ['--' + f.name] + (['--env'] if f.name == 'gym_env' else [])
-        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        default = f.default_factory() if f.default is MISSING else f.default
         text = f.metadata['help'] + ('' if default is None else f' (default: {shown(default)})')
         text += ''.join(f" ({name}'s train_defaults: {shown(env.train_defaults[f.name])})"
                         for name, env in sorted(envs.items()) if f.name in env.train_defaults)
@@ -204,27 +174,24 @@ def with_train_defaults(given: dict) -> Args:
 # ------------------------------------------------------------ input checks, before anything heavy
 
 LIMITS = {  # flag: (lowest allowed, what it means)
-    'max_turns': (1, 'at least one reply'),
+    'max_turns': (1, 'at least one reply'), 'rows_per_step': (1, 'at least one row'),
     'num_generations': (2, 'a group needs at least 2 trajectories'),
-    'rows_per_step': (1, 'at least one row'), 'max_completion_length': (1, 'at least one token'),
-    'micro_batch_size': (1, 'at least one trajectory'), 'num_iterations': (1, 'at least one pass'),
-    'max_steps': (0, 'not negative'), 'warm_start_steps': (0, 'not negative'),
+    'max_completion_length': (1, 'at least one token'), 'num_iterations': (1, 'at least one pass'),
+    'micro_batch_size': (1, 'at least one trajectory'), 'vllm_max_model_len': (2, 'at least 2'),
     'warm_start_generations': (1, 'at least one game a row'),
-    'eval_steps': (0, 'not negative'), 'eval_size': (0, 'not negative'),
-    'save_steps': (1, 'at least 1'), 'beta': (0, 'not negative'), 'epsilon': (0, 'not negative'),
-    'eval_temperature': (0, 'not negative'), 'vllm_kv_cache_gib': (0, 'not negative'),
-    'max_resample_times': (0, 'not negative'),
-    'rollout_importance_sampling_threshold': (1, 'at least 1'), 'lora_rank': (1, 'at least 1'),
-    'lora_alpha': (1, 'at least 1'), 'vllm_max_model_len': (2, 'at least 2'),
+    **dict.fromkeys(['save_steps', 'rollout_importance_sampling_threshold', 'lora_rank',
+                     'lora_alpha'], (1, 'at least 1')),
+    **dict.fromkeys(['max_steps', 'warm_start_steps', 'eval_steps', 'eval_size', 'beta', 'epsilon',
+                     'eval_temperature', 'vllm_kv_cache_gib', 'max_resample_times'],
+                    (0, 'not negative')),
 }
 
 CHOICES = {
     'vllm_mode': ['colocate', 'server'], 'engine': ['auto', 'vllm', 'hf'],
     'tuner_type': ['full', 'lora'], 'loss_type': ['bnpo', 'grpo', 'dr_grpo', 'dapo'],
-    'advantage_estimator': ['grpo', 'rloo', 'gigpo'],
-    'scale_rewards': [None, 'group', 'batch', 'none'],
+    'advantage_estimator': ['grpo', 'rloo', 'gigpo'], 'device': ['auto', 'cpu', 'cuda'],
+    'scale_rewards': [None, 'group', 'batch', 'none'], 'torch_dtype': ['float32', 'bfloat16'],
     'importance_sampling_level': ['token', 'sequence'],
-    'device': ['auto', 'cpu', 'cuda'], 'torch_dtype': ['float32', 'bfloat16'],
     'rollout_importance_sampling_mode': [None, 'token_truncate', 'token_mask', 'sequence_truncate',
                                          'sequence_mask'],
 }
@@ -305,8 +272,7 @@ def check_flags(args):
 
 
 def check_game(args):
-    """The checks train.py and server.py share: the flags, the model folder, the plugins, the
-    scheduler and the env."""
+    """The checks train.py and server.py share: flags, model folder, plugins, scheduler, env."""
     check_flags(args)
     if args.device == 'cuda':
         import torch  # here only: the other checks need no torch
@@ -315,17 +281,14 @@ def check_game(args):
     if args.model and not os.path.isdir(args.model) and args.model.startswith(('/', '.', '~')):
         raise UserError(f'--model {args.model}: no such folder')
     load_plugins(args.external_plugins)
-    name = args.multi_turn_scheduler
-    if name not in multi_turns:
-        raise UserError(f'--multi_turn_scheduler {name}: not registered; registered: '
-                        f'{", ".join(sorted(multi_turns))}')
-    cls = multi_turns[name]
+    for option, registry in (('multi_turn_scheduler', multi_turns), ('gym_env', envs)):
+        if getattr(args, option) not in registry:
+            raise UserError(f'--{option} {getattr(args, option)}: not registered; registered: '
+                            f'{", ".join(sorted(registry))}')
+    name, cls = args.multi_turn_scheduler, multi_turns[args.multi_turn_scheduler]
     if not (isinstance(cls, type) and issubclass(cls, MultiTurnScheduler)):
         raise UserError(f"--multi_turn_scheduler {name}: multi_turns['{name}'] is {cls!r}, "
                         'not a MultiTurnScheduler subclass')
-    if args.gym_env not in envs:
-        raise UserError(f'--gym_env {args.gym_env}: not registered; registered: '
-                        f'{", ".join(sorted(envs))}')
 
 
 @dataclass
@@ -343,11 +306,12 @@ def check_args(args: Args) -> Task:
     check_game(args)
     if args.scale_rewards is None:
         args.scale_rewards = 'none' if args.advantage_estimator == 'rloo' else 'group'
-    plays_env = issubclass(multi_turns[args.multi_turn_scheduler], GYMScheduler)
+    scheduler = multi_turns[args.multi_turn_scheduler]
+    plays_env = issubclass(scheduler, GYMScheduler)
     env_cls = envs[args.gym_env] if plays_env else Env
     rows = load_dataset(args.dataset, args.gym_env, plays_env)
-    if hasattr(multi_turns[args.multi_turn_scheduler], 'check_rows'):  # e.g. its servers answer
-        multi_turns[args.multi_turn_scheduler].check_rows(rows)
+    if hasattr(scheduler, 'check_rows'):  # e.g. its servers answer
+        scheduler.check_rows(rows)
     games = args.rows_per_step * args.num_generations
     if args.warm_start_generations > games:
         raise UserError(f'--warm_start_generations {args.warm_start_generations}: more than the '
@@ -362,22 +326,20 @@ def check_args(args: Args) -> Task:
                             'expert (Env.expert_reply)')
     for number, row in enumerate(rows, 1):
         tools.check_tools(row.get('tools', []), f'{args.dataset}, row {number}')
-    loaded = rows
-    rows, eval_rows = held_out(loaded, env_cls if plays_env else None, args.eval_size,
-                               args.split_dataset_ratio, args.dataset)
-    own = eval_rows if rows is loaded else []  # the env's own held-out rows, not the dataset's
-    names, weights = reward_setup(args, env_cls, {args.dataset: loaded, 'the held-out rows': own})
-    if args.rows_per_step > len(rows):
-        raise UserError(f'--rows_per_step {args.rows_per_step}: there are {len(rows)} training '
-                        f'rows in {args.dataset}')
-    return Task(rows, eval_rows, env_cls, names, weights)
+    train_rows, eval_rows = held_out(rows, env_cls if plays_env else None, args.eval_size,
+                                     args.split_dataset_ratio, args.dataset)
+    own = eval_rows if train_rows is rows else []  # the env's own held-out rows, not the dataset's
+    names, weights = reward_setup(args, env_cls, {args.dataset: rows, 'the held-out rows': own})
+    if args.rows_per_step > len(train_rows):
+        raise UserError(f'--rows_per_step {args.rows_per_step}: there are {len(train_rows)} '
+                        f'training rows in {args.dataset}')
+    return Task(train_rows, eval_rows, env_cls, names, weights)
 
 
 def reward_setup(args: Args, env_cls, rows: dict):
     """The reward columns (--reward_funcs, then the gym reward) and their weights; with neither
-    flag, the env's `default_reward_funcs` (a plugin env gets no FrozenLake reward). An `orms`
-    class (ms-swift's) is made once, with args, and must find its __call__'s columns in each row
-    of `rows` ({where: rows})."""
+    flag, the env's `default_reward_funcs` (a plugin env gets no FrozenLake reward). An `orms` class
+    (ms-swift's) is made once, with args; each of `rows` ({where: rows}) needs its columns."""
     own = args.reward_funcs is None
     names = list(env_cls.default_reward_funcs) if own else args.reward_funcs
     for name in names:

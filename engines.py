@@ -1,5 +1,5 @@
-"""Every source of tokens: the engine interface, its two engines, the embedded model, and the two
-rollout sources train.py can use (colocated, or the rollout server of server.py over HTTP).
+"""Every source of tokens: the engine interface, its two engines, and the colocated rollout source
+of train.py (server mode's, over HTTP, is server.py's).
 
 Implements the engine side of "启动训练" of the GYM-env document: colocate mode and server mode.
 
@@ -62,8 +62,7 @@ class HFEngine(Engine):
     def generate(self, prompts, max_tokens, temperature):
         from transformers import GenerationConfig
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
-        width = max(map(len, prompts))
-        device = self.model.device
+        width, device = max(map(len, prompts)), self.model.device
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # (B, W)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         # Only the temperature may shape what is sampled: the model's own generation_config (a
@@ -150,6 +149,7 @@ class VLLMEngine(Engine):
 
 def make_engine(choice: str, path: str, model, tokenizer, dtype='float32', **vllm_kwargs) -> Engine:
     """'vllm', 'hf', or 'auto' (vLLM when it can start, else transformers, saying why)."""
+    why = 'as asked'
     if choice in ('auto', 'vllm'):
         try:
             engine = VLLMEngine(path, dtype=dtype, **vllm_kwargs)
@@ -158,10 +158,8 @@ def make_engine(choice: str, path: str, model, tokenizer, dtype='float32', **vll
         except Exception as e:
             if choice == 'vllm':
                 raise
-            print('engine: hf (transformers generate), because vLLM could not start: '
-                  f'{type(e).__name__}: {e}')
-            return HFEngine(model, tokenizer, dtype)
-    print('engine: hf (transformers generate), as asked')
+            why = f'because vLLM could not start: {type(e).__name__}: {e}'
+    print(f'engine: hf (transformers generate), {why}')
     return HFEngine(model, tokenizer, dtype)
 
 

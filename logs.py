@@ -15,6 +15,7 @@
 import json
 import math
 import os
+from itertools import groupby
 from typing import Optional
 
 import torch
@@ -58,13 +59,10 @@ def show(trajectory: Trajectory, tokenizer) -> str:
     between segments, when a scheduler rewrote history)."""
     text = ''
     for k, segment in enumerate(trajectory.segments):
-        ids, mask, start = segment.token_ids, segment.loss_mask, 0
         text += f'\n---- segment {k + 1}\n' if k else ''
-        for i in range(1, len(ids) + 1):
-            if i == len(ids) or mask[i] != mask[start]:
-                piece = tokenizer.decode(ids[start:i])
-                text += f'[[{piece}]]' if mask[start] else piece
-                start = i
+        for sampled, run in groupby(zip(segment.token_ids, segment.loss_mask), key=lambda p: p[1]):
+            piece = tokenizer.decode([token for token, _ in run])
+            text += f'[[{piece}]]' if sampled else piece
     infos = trajectory.rollout_infos
     return text + f"\n  -> {infos.get('stop_reason')}, reward {infos.get('total_reward')}"
 
@@ -100,9 +98,7 @@ class RunLog:
             self.dashboards.append(wandb.init(dir=output_dir, mode='offline', project='gym-grpo'))
 
     def progress(self, steps, start: int, total: int):
-        if not self.active:
-            return steps
-        return tqdm(steps, desc='steps', initial=start, total=total)
+        return tqdm(steps, desc='steps', initial=start, total=total) if self.active else steps
 
     def _write(self, record: dict, text: str = None):
         """One metrics.jsonl record, also to the dashboards (numbers as scalars, `text` as text)."""

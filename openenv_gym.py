@@ -96,8 +96,7 @@ class OpenEnvScheduler(MultiTurnScheduler):
     @classmethod
     def check_rows(cls, rows):
         """Before a model loads: every server the rows name answers, else one line naming it."""
-        for url in sorted({(r.get('env_config') or {}).get('base_url', 'http://localhost:8000')
-                           for r in rows}):
+        for url in sorted({OpenEnvWrapper(r.get('env_config') or {}).base_url for r in rows}):
             try:
                 urllib.request.urlopen(url.rstrip('/') + '/health', timeout=10).read()
             except OSError as e:
@@ -114,12 +113,6 @@ class OpenEnvScheduler(MultiTurnScheduler):
         if wrapper is not None:
             await asyncio.to_thread(wrapper.close)
 
-    def _semaphore(self) -> asyncio.Semaphore:
-        loop = asyncio.get_running_loop()
-        if self._opening is None or self._opening[0] is not loop:
-            self._opening = loop, asyncio.Semaphore(self.max_concurrent_envs)
-        return self._opening[1]
-
     async def on_trajectory_start(self, requests):
         errors = await asyncio.gather(*[self._open(req) for req in requests])
         return {req.uuid: error for req, error in zip(requests, errors) if error}
@@ -127,8 +120,11 @@ class OpenEnvScheduler(MultiTurnScheduler):
     async def _open(self, req: RolloutInferRequest) -> Optional[str]:
         env_config = {**self.env_config_defaults, **(req.data_dict.get('env_config') or {})}
         self._envs[req.uuid] = wrapper = self._create_env(env_config)
+        loop = asyncio.get_running_loop()
+        if self._opening is None or self._opening[0] is not loop:
+            self._opening = loop, asyncio.Semaphore(self.max_concurrent_envs)
         try:
-            async with self._semaphore():
+            async with self._opening[1]:
                 observation, _ = await asyncio.to_thread(wrapper.reset)
         except Exception as e:
             return f'reset: {type(e).__name__}: {e}'

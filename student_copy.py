@@ -48,10 +48,9 @@ def main(argv=None):
         sys.exit(f'error: {out} exists and is not empty')
     here = os.path.dirname(os.path.abspath(__file__))
     files = subprocess.run(['git', 'ls-files', '--cached', '--others', '--exclude-standard'],
-                           cwd=here,
-                           capture_output=True, text=True, check=True).stdout.split('\n')
+                           cwd=here, capture_output=True, text=True, check=True).stdout.splitlines()
     regions = 0
-    for name in filter(None, files):
+    for name in files:
         source, target = os.path.join(here, name), os.path.join(out, name)
         if not os.path.isfile(source):  # deleted from the work tree, not yet from git
             continue

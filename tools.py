@@ -1,5 +1,4 @@
-"""Tools an agent may call: the `tools` registry, their schemas in the system message, and the
-answer to a call.
+"""Tools an agent may call: the `tools` registry, their schemas, and the answer to a call.
 
 1. A tool is a plain Python function with type hints and a Google-style docstring (TRL's
    convention), registered by name: `tools['calculator'] = calculator`. Its JSON schema is made

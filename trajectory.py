@@ -69,16 +69,13 @@ class TokenRecord:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def start(self, t: Trajectory, room: int) -> bool:
-        """The first segment: the conversation so far, ready for a reply (mask 0); False when it
-        holds more than `room` ids (no reply would fit)."""
-        return self._open(t, t.request.messages, room)
-
-    def _open(self, t: Trajectory, messages: Messages, room: int) -> bool:
-        ids = self.encode(self.render(messages, prompt=True))
+        """A new segment (the first, or after a rewrite): the conversation so far, ready for a
+        reply (mask 0); False when it holds more than `room` ids (no reply would fit)."""
+        ids = self.encode(self.render(t.request.messages, prompt=True))
         if len(ids) > room:
             return False
         n = len(ids)
-        t.segments.append(Segment(ids, [0] * n, [0.0] * n, [0] * n, deepcopy(messages)))
+        t.segments.append(Segment(ids, [0] * n, [0.0] * n, [0] * n, deepcopy(t.request.messages)))
         return True
 
     @staticmethod
@@ -122,7 +119,7 @@ class TokenRecord:
             segment.messages = deepcopy(messages)
             return True
         segment.messages = before
-        if self._open(t, messages, room):
+        if self.start(t, room):
             return True
         t.request.messages = before
         return False

@@ -32,6 +32,7 @@ def train_step(model, ref_model, optimizer, trajectories, scores: grpo.Scores, a
     local = torch.tensor(dataclasses.astuple(grpo.count(trajectories, scores)), dtype=torch.float64)
     counts = grpo.Counts(*all_sum(local.to(model.device), world).tolist())
     budget = args.rows_per_step * args.num_generations * args.max_turns * args.max_completion_length
+    denominator = counts.denominator(args.loss_type, budget)
     trained, measured = step_batches(model, trajectories, scores, args, pad_id)
     stats = {'loss': 0.0, 'kl': 0.0, 'clip_ratio': 0.0, 'grad_norm': 0.0, 'skipped': 0,
              'is_clipped': 0.0, 'updated': counts.n_trained > 0}
@@ -40,29 +41,20 @@ def train_step(model, ref_model, optimizer, trajectories, scores: grpo.Scores, a
     is_weights, passes = [None] * len(trained), args.num_iterations if counts.n_trained else 0
     for iteration in range(max(passes, 1)):  # nothing trains anywhere: measure only, no step
         optimizer.zero_grad(set_to_none=True)
-        denominator = counts.denominator(args.loss_type, budget)
         sums = one_pass(model, trained, old, ref, is_weights, denominator, args)
         sums += measure(model, measured if iteration == 0 else [], args)
         sums = dict(zip(SUMS, all_sum(sums, world).tolist()))
-        add_pass(stats, sums, counts, passes, first=iteration == 0)
-        if passes:
+        if iteration == 0:  # not later passes: the engine never sampled from their weights
+            stats.update(entropy=sums['entropy'] / max(counts.sampled, 1),
+                         logprob_gap=sums['gap'] / max(counts.sampled, 1),
+                         is_clipped=sums['is_clipped'] / max(sums['computed'], 1))
+        if passes:  # kl and clip_ratio: means over the passes
+            stats['kl'] += sums['kl'] / max(counts.tokens, 1) / passes
+            stats['clip_ratio'] += sums['clipped'] / max(counts.tokens, 1) / passes
             step_optimizer(model, optimizer, stats, sums['loss'] / passes, args.max_grad_norm,
                            world)
     model.eval()
     return stats
-
-
-def add_pass(stats: dict, sums: dict, counts: grpo.Counts, passes: int, first: bool):
-    """A pass's SUMS (every process's) into the step's means: entropy, logprob_gap and
-    is_clipped from the first pass (later ones see weights the engine never sampled from), kl and
-    clip_ratio averaged over the passes."""
-    if first:
-        stats.update(entropy=sums['entropy'] / max(counts.sampled, 1),
-                     logprob_gap=sums['gap'] / max(counts.sampled, 1),
-                     is_clipped=sums['is_clipped'] / max(sums['computed'], 1))
-    if passes:
-        stats['kl'] += sums['kl'] / max(counts.tokens, 1) / passes
-        stats['clip_ratio'] += sums['clipped'] / max(counts.tokens, 1) / passes
 
 
 def step_batches(model, trajectories, scores: grpo.Scores, args: Args, pad_id: int):
@@ -85,22 +77,21 @@ def one_pass(model, batches, old, ref, is_weights, denominator: float, args: Arg
     that sampled) and kept for the later ones (is_weights, filled in place)."""
     sums = torch.zeros(len(SUMS), dtype=torch.float64, device=model.device)
     for k, b in enumerate(batches):
+        mask = b.loss_mask
         with precision(args, model.device):
             logprobs, entropies = token_logprobs(model, b, args.temperature)  # (b, T)
         old_k = old[k] if old else logprobs.detach()  # one pass: logp_old is logp itself, ratio 1
-        over = torch.zeros_like(b.loss_mask, dtype=torch.bool)
+        over = torch.zeros_like(mask, dtype=torch.bool)
         if args.rollout_importance_sampling_mode and is_weights[k] is None:
             is_weights[k], over = grpo.rollout_is_weights(
-                old_k, b.engine_logprobs, b.loss_mask, args.rollout_importance_sampling_mode,
+                old_k, b.engine_logprobs, mask, args.rollout_importance_sampling_mode,
                 args.rollout_importance_sampling_threshold)
         per_token, kl, clipped = grpo.token_loss(
-            logprobs, old_k, b.advantages, b.loss_mask, epsilon=args.epsilon,
+            logprobs, old_k, b.advantages, mask, epsilon=args.epsilon,
             epsilon_high=args.epsilon_high, beta=args.beta, ref_logprobs=ref[k] if ref else None,
             level=args.importance_sampling_level, is_weights=is_weights[k])
-        loss = grpo.aggregate(per_token, b.loss_mask, b.trajectory_tokens, args.loss_type,
-                              denominator)
+        loss = grpo.aggregate(per_token, mask, b.trajectory_tokens, args.loss_type, denominator)
         loss.backward()
-        mask = b.loss_mask
         sums += torch.stack([loss.detach(), (kl.detach() * mask).sum(), (clipped * mask).sum(),
                              (entropies * mask).sum(), gap(logprobs, b), (over * mask).sum(),
                              mask.sum()]).double()
@@ -110,12 +101,9 @@ def one_pass(model, batches, old, ref, is_weights, denominator: float, args: Arg
 def token_logprobs(model, batch: batching.MicroBatch, temperature: float = 1.0, chunk: int = 256):
     """(logprobs, entropies), both (b, T): each sampled token's log-probability under the model,
     softmax(logits / temperature), and the entropy of that distribution at its position (what
-    TRL logs as `entropy`); 0 where loss_mask is 0. The entropies carry no gradient.
-
-    The vocabulary is large (49,152 for SmolLM2), so logits are computed only where a token was
-    sampled, `chunk` rows at a time under activation checkpointing: memory is then chunk x vocab,
-    not batch x length x vocab.
-    """
+    TRL logs as `entropy`); 0 where loss_mask is 0. The entropies carry no gradient. The vocabulary
+    is large (49,152 for SmolLM2), so logits are computed only at sampled tokens, `chunk` rows at a
+    time under activation checkpointing: memory chunk x vocab, not batch x length x vocab."""
     # BEGIN SOLUTION exercise 4: token logprobs
     hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                                  position_ids=batch.position_ids,
@@ -151,8 +139,7 @@ def reference_logprobs(model, ref_model, batches, args: Args):
             old = [token_logprobs(model, b, args.temperature)[0] for b in batches]
         if args.beta:
             with model.disable_adapter() if ref_model is None else contextlib.nullcontext():
-                ref = [token_logprobs(ref_model or model, b, args.temperature)[0]
-                       for b in batches]
+                ref = [token_logprobs(ref_model or model, b, args.temperature)[0] for b in batches]
     return old, ref
 
 

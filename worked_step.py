@@ -37,7 +37,6 @@ async def play(replies, seed=0, max_turns=5) -> Trajectory:
     infos = {'total_reward': 0.0, 'step_rewards': [], 'states': [env.state_key()],
              'reset_info': info}
     segment = Segment([0] * PROMPT, [0] * PROMPT, [0.0] * PROMPT, [0] * PROMPT)
-    stop = 'max_turns'
     for turn, word in enumerate(replies[:max_turns], 1):
         reply = f'<action>{word}</action>' if word in ('up', 'down', 'left', 'right') else word
         n = len(reply) // 4 + 1  # the reply's tokens, its end-of-turn token included
@@ -52,8 +51,8 @@ async def play(replies, seed=0, max_turns=5) -> Trajectory:
         infos['states'].append(env.state_key())
         messages.append({'role': 'user', 'content': observation})
         if done:
-            stop = 'done'
             break
+    stop = 'done' if done else 'max_turns'
     return Trajectory(RolloutInferRequest(messages), [segment], infos, stop, turn, messages)
 
 
