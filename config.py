@@ -60,7 +60,7 @@ class Args:
     # ---- GRPO ----
     num_generations: int = flag(8, 'trajectories per row (the group size), at least 2')
     rows_per_step: int = flag(4, 'dataset rows per optimizer step')
-    train_dataloader_shuffle: bool = flag(True, "false: each step the dataset's next rows in order")
+    train_dataloader_shuffle: bool = flag(True, "each step random rows; false: the next rows in order")
     reward_funcs: Optional[List[str]] = flag(None, 'extra reward columns (names the env files '
                                              "register); not given: the env's own "
                                              "default_reward_funcs (FrozenLakeEnv's: progress)")
