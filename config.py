@@ -1,9 +1,6 @@
-"""The flags of train.py (and server.py's share of them) and every check that can run before a
-model loads: `Args` (one flat list of flags, ms-swift's names where the concept is the same),
-`parser` (a command line of it), `check_args` (bad input refused in one line, UserError). The
-task's own rules come from its env class: its `train_defaults` (`parse_args`), its reward columns
-(`reward_setup`) and its held-out rows (`held_out`, else a share of the dataset).
-"""
+"""The flags of train.py and server.py (`Args`, ms-swift's names where the concept is the same), and
+every check that can run before a model loads (`check_args`). An env class brings its own
+`train_defaults`, reward columns and held-out rows."""
 import argparse
 import importlib.util
 import json
@@ -35,8 +32,7 @@ class Args:
     use_gym_env: bool = flag(True, "use the env's total_reward as the last reward column")
     dataset: str = flag('data.jsonl', 'JSONL rows with messages and env_config')
     split_dataset_ratio: float = flag(0.1, 'share of --dataset held out (envs with no eval_rows)')
-    max_turns: int = flag(10, 'most model replies per trajectory, tool calls included (server '
-                          "mode: must equal the server's)")
+    max_turns: int = flag(10, "most replies a game, tool calls too (server mode: the server's)")
     tool_timeout: float = flag(10.0, 'seconds before a tool call is answered with an error')
     # ---- model, engine, device ----
     model: Optional[str] = flag(None, 'folder or hub id; not given: embedded SmolLM2-135M-Instruct')
@@ -60,16 +56,15 @@ class Args:
     # ---- GRPO ----
     num_generations: int = flag(8, 'trajectories per row (the group size), at least 2')
     rows_per_step: int = flag(4, 'dataset rows per optimizer step')
-    train_dataloader_shuffle: bool = flag(True, "each step random rows; false: the next rows in order")
+    train_dataloader_shuffle: bool = flag(True, 'each step random rows (false: the next in order)')
     reward_funcs: Optional[List[str]] = flag(None, 'extra reward columns (names the env files '
                                              "register); not given: the env's own "
                                              "default_reward_funcs (FrozenLakeEnv's: progress)")
     reward_weights: Optional[List[float]] = flag(None, 'one weight per column, the gym reward '
                                                  "last; not given: the env's own (FrozenLakeEnv's: "
                                                  'progress 0.5, gym 1), else all 1')
-    loss_type: str = flag('bnpo', "loss normaliser: bnpo (the batch's sampled tokens), dapo (the "
-                          "same, overlong-filtered ones too), grpo (per trajectory; ms-swift's "
-                          'default), dr_grpo (a constant)')
+    loss_type: str = flag('bnpo', "normaliser: bnpo (the batch's tokens), dapo (the same, overlong-"
+                          "filtered too), grpo (per trajectory, ms-swift's default), dr_grpo")
     advantage_estimator: str = flag('grpo', 'grpo (group mean baseline), rloo (leave-one-out), or '
                                     'gigpo (grpo plus a step-level advantage per anchor state)')
     step_advantage_w: float = flag(1.0, "with gigpo: the step-level advantage's weight")
@@ -80,9 +75,8 @@ class Args:
     max_resample_times: int = flag(3, 'with --dynamic_sample: most extra rollout rounds a step')
     overlong_filter: bool = flag(False, 'leave trajectories cut by a length limit out of the loss')
     importance_sampling_level: str = flag('token', 'token or sequence (GSPO: a ratio per sequence)')
-    rollout_importance_sampling_mode: Optional[str] = flag(
-        None, 'engine/trainer mismatch correction: token_truncate, token_mask, sequence_truncate, '
-        'sequence_mask; not given: off')
+    rollout_importance_sampling_mode: Optional[str] = flag(None, 'engine/trainer mismatch '
+                                                           'correction (not given: off)')
     rollout_importance_sampling_threshold: float = flag(2.0, 'upper bound of those weights')
     beta: float = flag(0.0, 'KL penalty to the starting model (0: no reference model kept)')
     epsilon: float = flag(0.2, 'lower clip range of the ratio')
@@ -91,19 +85,16 @@ class Args:
     temperature: float = flag(0.8, 'sampling temperature of training rollouts (> 0)')
     max_completion_length: int = flag(16, 'most tokens in one reply')
     learning_rate: float = flag(2e-5, 'AdamW learning rate')
-    warmup_ratio: float = flag(0.0, 'share of --max_steps over which the rate rises linearly to '
-                               "--learning_rate, then constant (a fresh AdamW's first steps are "
-                               'as large as its rate, whatever the gradient)')
+    warmup_ratio: float = flag(0.0, 'share of --max_steps over which the rate rises linearly from '
+                               "0 (a fresh AdamW's first steps are as large as its rate)")
     micro_batch_size: int = flag(8, 'trajectory segments per forward/backward: memory, not math')
     share_prompt: bool = flag(True, 'compute shared prompts once: the same gradients, less work')
     gradient_checkpointing: bool = flag(True, 'recompute activations: less memory, ~1.2x the time')
     max_grad_norm: float = flag(1.0, 'gradient clipping')
-    warm_start_learning_rate: Optional[float] = flag(None, "the warm start's learning rate; not "
-                                                     'given: --learning_rate')
+    warm_start_learning_rate: Optional[float] = flag(None, 'its rate; not given: --learning_rate')
     warm_start_steps: int = flag(0, "supervised steps on Env.expert_reply's games before GRPO")
     warm_start_generations: int = flag(1, 'games the expert plays on each row a supervised step '
-                                       'picks (rows_per_step x num_generations // this rows), '
-                                       "numbered in column expert_game (it seeds a coin's tosses)")
+                                       "picks, numbered in column expert_game (seeds its coin)")
     # ---- run ----
     max_steps: int = flag(26, 'optimizer steps')
     eval_steps: int = flag(0, 'evaluate every N steps and after a warm start (0: at start and end)')
@@ -174,13 +165,11 @@ def with_train_defaults(given: dict) -> Args:
 # ------------------------------------------------------------ input checks, before anything heavy
 
 LIMITS = {  # flag: (lowest allowed, what it means)
-    'max_turns': (1, 'at least one reply'), 'rows_per_step': (1, 'at least one row'),
+    'max_turns': (1, 'at least one reply'), 'vllm_max_model_len': (2, 'at least 2'),
     'num_generations': (2, 'a group needs at least 2 trajectories'),
-    'max_completion_length': (1, 'at least one token'), 'num_iterations': (1, 'at least one pass'),
-    'micro_batch_size': (1, 'at least one trajectory'), 'vllm_max_model_len': (2, 'at least 2'),
-    'warm_start_generations': (1, 'at least one game a row'),
-    **dict.fromkeys(['save_steps', 'rollout_importance_sampling_threshold', 'lora_rank',
-                     'lora_alpha'], (1, 'at least 1')),
+    **dict.fromkeys(['rows_per_step', 'max_completion_length', 'num_iterations', 'micro_batch_size',
+                     'warm_start_generations', 'save_steps', 'lora_rank', 'lora_alpha',
+                     'rollout_importance_sampling_threshold'], (1, 'at least 1')),
     **dict.fromkeys(['max_steps', 'warm_start_steps', 'eval_steps', 'eval_size', 'beta', 'epsilon',
                      'eval_temperature', 'vllm_kv_cache_gib', 'max_resample_times'],
                     (0, 'not negative')),
@@ -238,8 +227,7 @@ def held_out(rows, env_cls, eval_size: int, ratio: float, dataset: str):
         return rows, [{**row, **column} for row in own]
     n = min(eval_size, math.ceil(len(rows) * ratio))
     if n >= len(rows):
-        raise UserError(f'--split_dataset_ratio {ratio}: would hold out all {len(rows)} rows of '
-                        f'{dataset}')
+        raise UserError(f'--split_dataset_ratio {ratio}: holds out all {len(rows)} rows')
     return rows[:len(rows) - n], rows[len(rows) - n:]
 
 
@@ -267,8 +255,7 @@ def check_flags(args):
         if name not in ('tensorboard', 'wandb'):
             raise UserError(f'--report_to {name}: choose from tensorboard, wandb')
         if importlib.util.find_spec(name) is None:
-            raise UserError(f'--report_to {name}: the package is not installed '
-                            f'(pip install {name})')
+            raise UserError(f'--report_to {name}: not installed (pip install {name})')
 
 
 def check_game(args):
