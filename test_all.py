@@ -332,7 +332,7 @@ def test_ex2_advantage_estimators_and_scales_by_hand():
 
 
 # The tests below check what rests on group_advantages (grpo.score, the run's log, train.collect):
-# they need exercise 2 done, so they carry its ex2_ (test_the_student_copy_... requires it).
+# they need exercise 2 done, so they carry its ex2_ (test_student_copy_... requires it).
 
 def test_ex2_errored_trajectories_are_never_trained_on():
     # the errored member still says '<action>up</action>' and would earn the format reward
@@ -800,6 +800,68 @@ def test_ex4_shared_prompt_update_equals_the_plain_one(tiny_model_dir, monkeypat
                 'one packed row holds each distinct prefix once, under half the plain tokens'
 
 
+def check_step_metrics(folder):
+    """metrics.jsonl of the 2-step run, one of whose rows fails in reset."""
+    steps = step_records(folder)
+    assert [m['step'] for m in steps] == [1, 2], 'a metrics.jsonl line for each of the 2 steps'
+    for key in ('reward', 'reward/gym', 'zero_adv_groups', 'env_errors', 'valid_actions', 'turns',
+                'sampled_tokens', 'loss', 'kl', 'clip_ratio', 'is_clipped', 'grad_norm',
+                'logprob_gap', 'skipped', 'resample_rounds', 'overlong_filtered', 'rollout_s',
+                'train_s', 'sync_s'):
+        assert all(key in m for m in steps), key
+    assert all(m['env_errors'] == 2 for m in steps), \
+        "the failing row's group (2 trajectories) is an env error at every step"
+    # measured before the update moved the weights
+    assert all(m['logprob_gap'] < 1e-4 for m in steps), (
+        f"logprob_gap {[m['logprob_gap'] for m in steps]}: token_logprobs must give the engine's "
+        'logprobs (the temperature, the output before each token)')
+
+
+def check_evaluations_and_completions(folder):
+    """The held-out evaluations in metrics.jsonl, and completions.jsonl, of the 2-step run."""
+    evaluations = [json.loads(line) for line in open(folder / 'metrics.jsonl') if 'eval/' in line]
+    assert len(evaluations) == 2 and all('eval/reward' in e and 'eval/success' not in e
+                                         for e in evaluations), \
+        'two evaluations (before and after) of the mean reward; no success test for this env'
+    lines = [json.loads(line) for line in open(folder / 'completions.jsonl')]
+    assert len(lines) == 2 * 2 * 2 and all(set(c['rewards']) == {'gym'} for c in lines), \
+        "completions.jsonl: every trajectory of both steps, the env's reward alone"
+    for key in ('step', 'env', 'env_config', 'messages', 'rewards', 'reward', 'advantage',
+                'turn_advantages', 'rollout_infos'):
+        assert all(key in c for c in lines), key
+    assert all(c['advantage'] == 0 for c in lines
+               if c['rollout_infos']['stop_reason'] == 'error'), \
+        'a trajectory whose env raised has advantage 0'
+
+
+def check_checkpoints_plots_and_tensorboard(folder):
+    """What the 2-step run leaves besides the JSONL logs."""
+    assert ((folder / 'latest').read_text() == 'checkpoint-2'
+            and not (folder / 'checkpoint-1').exists()), 'the last checkpoint kept, older removed'
+    assert (folder / 'curve.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n', 'curve.png is a PNG'
+    assert not (folder / 'agent.png').exists(), 'this plugin env draws nothing: no agent.png'
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    board = EventAccumulator(str(folder / 'runs')).Reload()
+    assert {'loss', 'reward/gym', 'env_errors', 'logprob_gap', 'eval/reward'} <= set(
+        board.Tags()['scalars']), 'tensorboard has the step and evaluation scalars'
+    # + the examples as text
+    assert [e.step for e in board.Scalars('loss')] == [1, 2] and board.Tags()['tensors'], \
+        'tensorboard has the loss of steps 1 and 2, and the examples as text'
+
+
+def check_resumed_run(out, folder):
+    """The run resumed from checkpoint-2 with --max_steps 3 --learning_rate 5e-4."""
+    assert 'resumed from' in out and 'at step 2' in out, '--resume true goes on from checkpoint-2'
+    steps = step_records(folder)
+    assert ([m['step'] for m in steps] == [1, 2, 3]
+            and (folder / 'latest').read_text() == 'checkpoint-3'), 'the resumed run adds step 3'
+    assert steps[-1]['kl'] > 1e-6, \
+        'the KL anchor of a resumed run is still the starting model, not the checkpoint'
+    state = torch.load(folder / 'checkpoint-3' / 'trainer_state.pt', weights_only=False)
+    assert state['optimizer']['param_groups'][0]['lr'] == 5e-4, \
+        'the resumed run ignored --learning_rate'
+
+
 @slow
 def test_ex4_train_end_to_end_hf_engine_and_resume(tmp_path, tiny_model_dir):
     from safetensors.torch import load_file
@@ -815,54 +877,12 @@ def test_ex4_train_end_to_end_hf_engine_and_resume(tmp_path, tiny_model_dir):
     before, after = (load_file(f'{tiny_model_dir}/model.safetensors'),
                      load_file(f'{folder}/checkpoint-2/model.safetensors'))
     assert any(not torch.equal(before[k], after[k]) for k in before), 'no weight moved'
-    steps = step_records(folder)
-    assert [m['step'] for m in steps] == [1, 2], 'a metrics.jsonl line for each of the 2 steps'
-    for key in ('reward', 'reward/gym', 'zero_adv_groups', 'env_errors', 'valid_actions', 'turns',
-                'sampled_tokens', 'loss', 'kl', 'clip_ratio', 'is_clipped', 'grad_norm',
-                'logprob_gap', 'skipped', 'resample_rounds', 'overlong_filtered', 'rollout_s',
-                'train_s', 'sync_s'):
-        assert all(key in m for m in steps), key
-    assert all(m['env_errors'] == 2 for m in steps), \
-        "the failing row's group (2 trajectories) is an env error at every step"
-    # measured before the update moved the weights
-    assert all(m['logprob_gap'] < 1e-4 for m in steps), (
-        f"logprob_gap {[m['logprob_gap'] for m in steps]}: token_logprobs must give the engine's "
-        'logprobs (the temperature, the output before each token)')
-    evaluations = [json.loads(line) for line in open(folder / 'metrics.jsonl') if 'eval/' in line]
-    assert len(evaluations) == 2 and all('eval/reward' in e and 'eval/success' not in e
-                                         for e in evaluations), \
-        'two evaluations (before and after) of the mean reward; no success test for this env'
-    lines = [json.loads(line) for line in open(folder / 'completions.jsonl')]
-    assert len(lines) == 2 * 2 * 2 and all(set(c['rewards']) == {'gym'} for c in lines), \
-        "completions.jsonl: every trajectory of both steps, the env's reward alone"
-    for key in ('step', 'env', 'env_config', 'messages', 'rewards', 'reward', 'advantage',
-                'turn_advantages', 'rollout_infos'):
-        assert all(key in c for c in lines), key
-    assert all(c['advantage'] == 0 for c in lines
-               if c['rollout_infos']['stop_reason'] == 'error'), \
-        'a trajectory whose env raised has advantage 0'
-    assert ((folder / 'latest').read_text() == 'checkpoint-2'
-            and not (folder / 'checkpoint-1').exists()), 'the last checkpoint kept, older removed'
-    assert (folder / 'curve.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n', 'curve.png is a PNG'
-    assert not (folder / 'agent.png').exists(), 'this plugin env draws nothing: no agent.png'
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    board = EventAccumulator(str(folder / 'runs')).Reload()
-    assert {'loss', 'reward/gym', 'env_errors', 'logprob_gap', 'eval/reward'} <= set(
-        board.Tags()['scalars']), 'tensorboard has the step and evaluation scalars'
-    # + the examples as text
-    assert [e.step for e in board.Scalars('loss')] == [1, 2] and board.Tags()['tensors'], \
-        'tensorboard has the loss of steps 1 and 2, and the examples as text'
+    check_step_metrics(folder)
+    check_evaluations_and_completions(folder)
+    check_checkpoints_plots_and_tensorboard(folder)
     out = run_train(tmp_path, tiny_model_dir, *flags, '--max_steps', '3', '--resume', 'true',
                     '--learning_rate', '5e-4')
-    assert 'resumed from' in out and 'at step 2' in out, '--resume true goes on from checkpoint-2'
-    steps = step_records(folder)
-    assert ([m['step'] for m in steps] == [1, 2, 3]
-            and (folder / 'latest').read_text() == 'checkpoint-3'), 'the resumed run adds step 3'
-    assert steps[-1]['kl'] > 1e-6, \
-        'the KL anchor of a resumed run is still the starting model, not the checkpoint'
-    state = torch.load(folder / 'checkpoint-3' / 'trainer_state.pt', weights_only=False)
-    assert state['optimizer']['param_groups'][0]['lr'] == 5e-4, \
-        'the resumed run ignored --learning_rate'
+    check_resumed_run(out, folder)
 
 
 # ------------------------------------------------------- exercise 5: scheduler.WindowScheduler.step
@@ -1086,22 +1106,8 @@ def conformance_cases():
     return [(None, 'frozen_lake'), (None, 'arithmetic'), ('the README', 'guess')]
 
 
-@pytest.mark.parametrize('plugin, name', conformance_cases())
-def test_ex7_env_conformance(plugin, name, tokenizer, tmp_path):
-    """What the scheduler and the trainer rely on, for any env: its expert (or, without one, a
-    scripted policy) plays whole games; the same env_config gives the same first observation; close
-    runs exactly once per trajectory; a crash in step ends only its own trajectory."""
-    if plugin == 'the README':
-        (tmp_path / 'guess.py').write_text(GUESS_PLUGIN)
-        plugin = str(tmp_path / 'guess.py')
-    load_plugins([plugin] if plugin else [])
-    ours = {'counting_lake', 'echo', 'broken_lake', 'slow'}  # this file's own test envs
-    assert name in envs, \
-        f'set GYM_ENV to the name the plugin registers: {", ".join(sorted(set(envs) - ours))}'
-    for method in ('reset', 'step', 'close'):
-        assert inspect.iscoroutinefunction(getattr(envs[name], method)), \
-            f'{name}.{method}: must be async def'
-    rows = envs[name].eval_rows(8, {}) or [{'env_config': {'seed': s}} for s in range(8)]
+def check_first_observations(name, rows):
+    """reset's types, and the same env_config giving the same first observation."""
     first = [asyncio.run(envs[name](dict(r['env_config'])).reset(RolloutInferRequest([])))
              for r in rows + rows]
     assert [(o, s) for o, _, s in first[:8]] == [(o, s) for o, _, s in first[8:]], \
@@ -1112,27 +1118,34 @@ def test_ex7_env_conformance(plugin, name, tokenizer, tmp_path):
             f'{name}.reset must return (observation: str, info: dict, system prompt: str)'
         json.dumps(info)  # it goes to completions.jsonl
 
-    for tool in envs[name].tools:
-        assert tool in tools.tools, f'{name}.tools names {tool!r}, which is not in tools.tools'
-    # its expert plays through the scheduler, tools included
-    if envs[name].expert_reply is not Env.expert_reply:
-        games = rollout(ExpertScheduler(None, 10, tokenizer=tokenizer, gym_env=name,
-                                        max_completion_length=256),
-                        requests_for(rows, 1))
-        assert all(g.stop_reason == 'done' for g in games), \
-            ('the expert did not finish', games[0].rollout_infos)
-        worked = [c for g in games for c in g.rollout_infos['tool_calls'] if c['ok']]
-        assert worked or not envs[name].tools, \
-            f'{name} has tools, but its expert made no call that worked'
-        for g in games:
-            sampled = tokenizer.decode([i for s in g.segments
-                                        for i, m in zip(s.token_ids, s.loss_mask) if m])
-            replies = ''.join(m['content'] + tokenizer.eos_token for m in g.messages
-                              if m['role'] == 'assistant')
-            assert sampled == replies, 'something other than the replies has loss mask 1'
-            for m in g.messages:  # a tool's answer is in what the model saw, with loss mask 0
-                assert m['role'] != 'tool' or m['content'] in tokenizer.decode(
-                    g.segments[-1].token_ids), "a tool's answer must be in what the model saw"
+
+def check_expert_games(name, rows, tokenizer):
+    """Its expert, if it has one, plays whole games through the scheduler, tools included, and
+    only the replies train."""
+    if envs[name].expert_reply is Env.expert_reply:
+        return
+    games = rollout(ExpertScheduler(None, 10, tokenizer=tokenizer, gym_env=name,
+                                    max_completion_length=256),
+                    requests_for(rows, 1))
+    assert all(g.stop_reason == 'done' for g in games), \
+        ('the expert did not finish', games[0].rollout_infos)
+    worked = [c for g in games for c in g.rollout_infos['tool_calls'] if c['ok']]
+    assert worked or not envs[name].tools, \
+        f'{name} has tools, but its expert made no call that worked'
+    for g in games:
+        sampled = tokenizer.decode([i for s in g.segments
+                                    for i, m in zip(s.token_ids, s.loss_mask) if m])
+        replies = ''.join(m['content'] + tokenizer.eos_token for m in g.messages
+                          if m['role'] == 'assistant')
+        assert sampled == replies, 'something other than the replies has loss mask 1'
+        for m in g.messages:  # a tool's answer is in what the model saw, with loss mask 0
+            assert m['role'] != 'tool' or m['content'] in tokenizer.decode(
+                g.segments[-1].token_ids), "a tool's answer must be in what the model saw"
+
+
+def check_a_crash_in_step(name, rows, tokenizer):
+    """A crash in step (the first env made crashes) ends only its own trajectory, and close runs
+    exactly once for each env made."""
     calls = {'made': 0, 'closed': []}
 
     class Checked(envs[name]):
@@ -1157,9 +1170,32 @@ def test_ex7_env_conformance(plugin, name, tokenizer, tmp_path):
     assert [t.stop_reason == 'error' for t in trajectories] == [True] + [False] * 15, \
         'a crash in step ends its own trajectory (stop reason error), and only it'
     assert all(t.stop_reason in ('done', 'max_turns') for t in trajectories[1:]), \
-        [t.stop_reason for t in trajectories]
+        ('the other games end done or at max_turns', [t.stop_reason for t in trajectories])
     assert len(calls['closed']) == len(set(calls['closed'])) == calls['made'] == 16, \
         f"close must run exactly once for each env made: {calls}"
+
+
+@pytest.mark.parametrize('plugin, name', conformance_cases())
+def test_ex7_env_conformance(plugin, name, tokenizer, tmp_path):
+    """What the scheduler and the trainer rely on, for any env: its expert (or, without one, a
+    scripted policy) plays whole games; the same env_config gives the same first observation; close
+    runs exactly once per trajectory; a crash in step ends only its own trajectory."""
+    if plugin == 'the README':
+        (tmp_path / 'guess.py').write_text(GUESS_PLUGIN)
+        plugin = str(tmp_path / 'guess.py')
+    load_plugins([plugin] if plugin else [])
+    ours = {'counting_lake', 'echo', 'broken_lake', 'slow'}  # this file's own test envs
+    assert name in envs, \
+        f'set GYM_ENV to the name the plugin registers: {", ".join(sorted(set(envs) - ours))}'
+    for method in ('reset', 'step', 'close'):
+        assert inspect.iscoroutinefunction(getattr(envs[name], method)), \
+            f'{name}.{method}: must be async def'
+    rows = envs[name].eval_rows(8, {}) or [{'env_config': {'seed': s}} for s in range(8)]
+    check_first_observations(name, rows)
+    for tool in envs[name].tools:
+        assert tool in tools.tools, f'{name}.tools names {tool!r}, which is not in tools.tools'
+    check_expert_games(name, rows, tokenizer)
+    check_a_crash_in_step(name, rows, tokenizer)
 
 
 # ---------------------------------------------------------------- exercise 8: make the clip visible
@@ -1180,53 +1216,106 @@ def test_ex7_env_conformance(plugin, name, tokenizer, tmp_path):
 # In a student copy each grading command's tests fail with their exercise's NotImplementedError
 # and every other fast test passes: a test that needs an exercise's code must carry its exN_.
 
-@pytest.mark.skipif(not os.path.exists(os.path.join(HERE, '.git')),
-                    reason='not a git checkout (a student copy)')
-def test_the_student_copy_leaves_each_exercise_to_the_student(tmp_path):
-    """student_copy.py blanks every solution region. In the copy each exercise's graders (the -k
-    of its command in EXERCISES.md) fail with an exercise's NotImplementedError, and every other
-    fast test passes; here, in the repository, all of them pass."""
-    import re
-    import xml.etree.ElementTree as ElementTree
-    copy = tmp_path / 'copy'
-    run = subprocess.run([sys.executable, 'student_copy.py', str(copy)], cwd=HERE,
-                         capture_output=True, text=True, timeout=120)
-    assert run.returncode == 0 and 'solution regions left to the student' in run.stdout, run.stderr
+in_a_checkout = pytest.mark.skipif(not os.path.exists(os.path.join(HERE, '.git')),
+                                   reason='not a git checkout (a student copy)')
+
+
+def solution_regions():
+    """The exercise numbers of the solution regions in this checkout's sources."""
     sources = ''.join(open(os.path.join(HERE, f)).read() for f in os.listdir(HERE)
                       if f.endswith('.py'))
-    regions = set(re.findall(r'# BEGIN SOLUTION exercise (\d+):', sources)) - {'N'}
-    exercises = dict(re.findall(r'^## Exercise (\d+): (.*?)(?=^## |\Z)',
-                                open(os.path.join(HERE, 'EXERCISES.md')).read(), re.S | re.M))
-    assert regions <= exercises.keys() and not re.search(r'# BEGIN SOLUTION exercise \d',
-                                                         open(copy / 'grpo.py').read())
-    graders = {}  # exercise -> the tests its grading command selects
-    for number in regions:
+    return set(re.findall(r'# BEGIN SOLUTION exercise (\d+):', sources)) - {'N'}
+
+
+def exercise_texts():
+    """EXERCISES.md's text of each exercise, by its number."""
+    return dict(re.findall(r'^## Exercise (\d+): (.*?)(?=^## |\Z)',
+                           open(os.path.join(HERE, 'EXERCISES.md')).read(), re.S | re.M))
+
+
+@pytest.fixture(scope='module')
+def student_copy(tmp_path_factory):
+    """student_copy.py's copy of this checkout, and its run."""
+    copy = tmp_path_factory.mktemp('student') / 'copy'
+    run = subprocess.run([sys.executable, 'student_copy.py', str(copy)], cwd=HERE,
+                         capture_output=True, text=True, timeout=120)
+    return copy, run
+
+
+@pytest.fixture(scope='module')
+def student_copy_graders():
+    """Exercise -> the tests its grading command (the -k in EXERCISES.md) selects."""
+    exercises, graders = exercise_texts(), {}
+    for number in solution_regions() & exercises.keys():
         (expression,) = re.findall(r'-k "([^"]+)"', exercises[number])
         listed = subprocess.run([sys.executable, '-m', 'pytest', '-q', '--collect-only', '-p',
                                  'no:cacheprovider', 'test_all.py', '-k', expression], cwd=HERE,
                                 capture_output=True, text=True, timeout=300)
         graders[number] = {line.split('::')[1].split('[')[0] for line in listed.stdout.splitlines()
                            if '::' in line}
-        assert graders[number], number
+    return graders
+
+
+@pytest.fixture(scope='module')
+def student_copy_results(student_copy, tmp_path_factory):
+    """Test name -> the failure message of each of its cases in the copy (None: it passed): every
+    fast test, and a slow grader."""
+    import xml.etree.ElementTree as ElementTree
+    copy, report = student_copy[0], tmp_path_factory.mktemp('report') / 'report.xml'
     results = {}
     for selection in (['-m', 'not slow', '-k', 'not student_copy'], ['-k', 'token_logprobs_match']):
         subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider',
-                        'test_all.py', *selection, f'--junitxml={tmp_path}/report.xml'],
+                        'test_all.py', *selection, f'--junitxml={report}'],
                        cwd=copy, capture_output=True, timeout=900)
-        for case in ElementTree.parse(tmp_path / 'report.xml').iter('testcase'):
+        for case in ElementTree.parse(report).iter('testcase'):
             failure = (case.find('failure') if case.find('failure') is not None
                        else case.find('error'))
             results.setdefault(case.get('name').split('[')[0], []).append(
                 None if failure is None else failure.get('message'))
-    for name, outcomes in results.items():
-        owners = [n for n, tests in graders.items() if name in tests]
+    return results
+
+
+@in_a_checkout
+def test_student_copy_blanks_every_solution_region(student_copy):
+    copy, run = student_copy
+    assert run.returncode == 0 and 'solution regions left to the student' in run.stdout, run.stderr
+    assert not re.search(r'# BEGIN SOLUTION exercise \d', open(copy / 'grpo.py').read()), \
+        "student_copy.py leaves no solution region in the copy's grpo.py"
+
+
+@in_a_checkout
+def test_student_copy_each_solution_region_has_a_grading_command(student_copy_graders):
+    regions = solution_regions()
+    assert regions <= exercise_texts().keys(), \
+        'each solution region is an exercise of EXERCISES.md'
+    for number in regions:
+        assert student_copy_graders[number], \
+            f'exercise {number}: its grading command (-k in EXERCISES.md) selects no test'
+
+
+@in_a_checkout
+def test_student_copy_graders_fail_with_their_exercises_message(student_copy_graders,
+                                                                student_copy_results):
+    """In the copy each exercise's graders fail with an exercise's NotImplementedError, one of an
+    exercise whose grader the test is (here, in the repository, they pass)."""
+    assert all(any(name in student_copy_results for name in tests)
+               for tests in student_copy_graders.values()), \
+        "each exercise's graders ran in the copy"
+    for name, outcomes in student_copy_results.items():
+        owners = [n for n, tests in student_copy_graders.items() if name in tests]
         for message in outcomes:
-            # an exercise's grader: it fails with an exercise's message, one whose grader it is
-            if owners:
-                assert message and any(f'exercise {n}:' in message for n in owners), (name, message)
-            else:
+            assert not owners or message and any(f'exercise {n}:' in message for n in owners), \
+                (name, message)
+
+
+@in_a_checkout
+def test_student_copy_passes_every_other_fast_test(student_copy_graders, student_copy_results):
+    """In the copy every fast test that is no exercise's grader passes: a test that needs an
+    exercise's code must carry its exN_."""
+    for name, outcomes in student_copy_results.items():
+        if not any(name in tests for tests in student_copy_graders.values()):
+            for message in outcomes:
                 assert message is None, (name, message)
-    assert all(any(name in results for name in tests) for tests in graders.values())
 
 
 # ---------------------------------------------------------------- FrozenLake
@@ -2338,6 +2427,49 @@ def test_help_shows_the_true_defaults():
             and config.parse_args(['--max_steps', '3']).max_steps == 3)
 
 
+def test_frozen_lake_brings_its_own_rewards_and_held_out_maps():
+    rows, eval_rows, env_cls, names, weights = dataclasses.astuple(
+        config.check_args(config.parse_args([])))
+    assert (names, weights, env_cls, len(rows)) == (['progress'], [0.5, 1.0],
+                                                    frozen_lake.FrozenLakeEnv, 1024), \
+        "FrozenLake's task: its 1024 rows, its progress reward at 0.5 and the gym reward at 1"
+    assert [r['env_config']['seed'] for r in eval_rows] == list(range(100_000, 100_256)), \
+        "FrozenLake's own held-out maps: seeds 100000 to 100255"
+
+
+def test_the_reward_flags_set_the_reward_columns():
+    assert dataclasses.astuple(config.check_args(config.parse_args(
+        ['--use_gym_env', 'false'])))[3:] == (['progress'], [0.5]), \
+        '--use_gym_env false: no gym reward column'
+    assert dataclasses.astuple(config.check_args(config.parse_args(
+        ['--reward_funcs', 'format'])))[3:] == (['format'], [1.0, 1.0]), \
+        "--reward_funcs replaces the env's own rewards, each weighted 1"
+    assert dataclasses.astuple(config.check_args(config.parse_args(['--reward_funcs'])))[3:] == (
+        [], [1.0]), '--reward_funcs with no name: the gym reward alone'
+
+
+def test_a_plugin_env_inherits_nothing_from_frozen_lake(tmp_path):
+    # a student's env inherits nothing from FrozenLake: no format reward, its own held-out rows
+    (tmp_path / 'guess.py').write_text(GUESS_PLUGIN)
+    rows, eval_rows, env_cls, names, weights = dataclasses.astuple(config.check_args(
+        config.parse_args(['--external_plugins', str(tmp_path / 'guess.py'),
+                           '--gym_env', 'guess'])))
+    # 10% of data.jsonl held out
+    assert (names, weights, len(rows), len(eval_rows)) == ([], [1.0], 115, 13), \
+        "a plugin env: no FrozenLake reward, and 10% of data.jsonl held out"
+    # and none of FrozenLake's train_defaults
+    assert config.parse_args(['--external_plugins', str(tmp_path / 'guess.py'),
+                              '--gym_env', 'guess']) == config.Args(
+        external_plugins=[str(tmp_path / 'guess.py')], gym_env='guess'), \
+        "a plugin env gets none of FrozenLake's train_defaults"
+    assert eval_rows[-1]['env_config'] == {'seed': 127} and env_cls.is_success({}) is None, \
+        "a plugin env: data.jsonl's last rows held out, and no success test"
+    assert config.check_args(config.parse_args(
+        ['--external_plugins', str(tmp_path / 'guess.py'), '--gym_env', 'guess',
+         '--eval_size', '4'])).eval_rows[0]['env_config'] == {'seed': 124}, \
+        "--eval_size 4 holds out data.jsonl's last 4 rows"
+
+
 GUESS_RULES = '''
 def digits_only(messages):
     replies = [m['content'].strip() for m in messages if m['role'] == 'assistant']
@@ -2355,33 +2487,7 @@ reward_funcs['digits_only'] = digits_only
 '''
 
 
-def test_each_task_brings_its_own_rewards_and_held_out_rows(tmp_path):
-    rows, eval_rows, env_cls, names, weights = dataclasses.astuple(
-        config.check_args(config.parse_args([])))
-    assert (names, weights, env_cls, len(rows)) == (['progress'], [0.5, 1.0],
-                                                    frozen_lake.FrozenLakeEnv, 1024)
-    assert [r['env_config']['seed'] for r in eval_rows] == list(range(100_000, 100_256))
-    assert dataclasses.astuple(config.check_args(config.parse_args(
-        ['--use_gym_env', 'false'])))[3:] == (['progress'], [0.5])
-    assert dataclasses.astuple(config.check_args(config.parse_args(
-        ['--reward_funcs', 'format'])))[3:] == (['format'], [1.0, 1.0])
-    assert dataclasses.astuple(config.check_args(config.parse_args(['--reward_funcs'])))[3:] == (
-        [], [1.0])
-    # a student's env inherits nothing from FrozenLake: no format reward, its own held-out rows
-    (tmp_path / 'guess.py').write_text(GUESS_PLUGIN)
-    rows, eval_rows, env_cls, names, weights = dataclasses.astuple(config.check_args(
-        config.parse_args(['--external_plugins', str(tmp_path / 'guess.py'),
-                           '--gym_env', 'guess'])))
-    # 10% of data.jsonl held out
-    assert (names, weights, len(rows), len(eval_rows)) == ([], [1.0], 115, 13)
-    # and none of FrozenLake's train_defaults
-    assert config.parse_args(['--external_plugins', str(tmp_path / 'guess.py'),
-                              '--gym_env', 'guess']) == config.Args(
-        external_plugins=[str(tmp_path / 'guess.py')], gym_env='guess')
-    assert eval_rows[-1]['env_config'] == {'seed': 127} and env_cls.is_success({}) is None
-    assert config.check_args(config.parse_args(
-        ['--external_plugins', str(tmp_path / 'guess.py'), '--gym_env', 'guess',
-         '--eval_size', '4'])).eval_rows[0]['env_config'] == {'seed': 124}
+def test_the_readmes_guess_env_brings_its_own_reward_held_out_rows_and_drawing(tmp_path):
     # the README's richer GuessEnv: its own reward column, held-out rows and success test
     rules = GUESS_PLUGIN.replace('from env import Env, envs',
                                  'from env import Env, envs, reward_funcs').replace(
@@ -2391,12 +2497,15 @@ def test_each_task_brings_its_own_rewards_and_held_out_rows(tmp_path):
         config.parse_args(['--external_plugins', str(tmp_path / 'guess_rules.py'),
                            '--gym_env', 'guess'])))
     assert (names, weights, len(rows), eval_rows[0]) == (['digits_only'], [0.2, 1.0], 128, {
-        'messages': [], 'env_config': {'seed': 10_000}})
+        'messages': [], 'env_config': {'seed': 10_000}}), \
+        'its default_reward_funcs, and its eval_rows: every row of data.jsonl trains'
     assert env_cls.is_success({'total_reward': 1.0}) and reward_funcs['digits_only'](
-        [{'role': 'assistant', 'content': '7'}, {'role': 'assistant', 'content': 'seven'}]) == 0.5
+        [{'role': 'assistant', 'content': '7'}, {'role': 'assistant', 'content': 'seven'}]
+    ) == 0.5, 'its is_success and its reward function are the ones that apply'
     logs.draw_games(str(tmp_path), [(0, [{'step_infos': [{'status': 'miss'}, {'status': 'win'}]}])],
                     env_cls)
-    assert (tmp_path / 'agent.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    assert (tmp_path / 'agent.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n', \
+        'its draw makes agent.png'
 
 
 # ----------------------------------------------------- ms-swift's reward classes and plain datasets
@@ -3366,11 +3475,23 @@ def test_lora_weights_reach_vllm_merged(tiny_model_dir):
     assert before < 1e-3 and stale > 1e-2 and after < 1e-3, (before, stale, after)
 
 
+def check_the_merge(checkpoint, merged_dir):
+    """docs/speed-and-scaling.md's merge: an ordinary model folder that computes what the adapter
+    model computes."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+    (AutoPeftModelForCausalLM.from_pretrained(checkpoint).merge_and_unload()
+     .save_pretrained(merged_dir))
+    ids = torch.randint(0, 1000, (1, 10))
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir)(ids).logits
+    adapted = AutoPeftModelForCausalLM.from_pretrained(checkpoint)(ids).logits
+    assert torch.allclose(merged, adapted, atol=1e-5), \
+        'the merged model computes what the adapter model computes'
+
+
 @slow
 @vllm_available
 def test_train_lora_end_to_end_resume_evaluate_and_merge(tmp_path, tiny_model_dir):
-    from peft import AutoPeftModelForCausalLM
-    from transformers import AutoModelForCausalLM
     flags = ['--engine', 'vllm', '--tuner_type', 'lora', '--lora_rank', '4', '--beta', '0.1',
              '--env', 'frozen_lake', '--warm_start_learning_rate', '1e-3']
     out = run_train(tmp_path, tiny_model_dir, *flags, '--warm_start_steps', '2')
@@ -3403,14 +3524,7 @@ def test_train_lora_end_to_end_resume_evaluate_and_merge(tmp_path, tiny_model_di
             and len(step_records(tmp_path / 'warm' / 'out')) == 1)
     kl = step_records(tmp_path / 'warm' / 'out')[0]['kl']  # --beta 0.1: anchored at checkpoint-0
     assert kl < 1e-6, f"step 1's KL on --resume is {kl}: the anchor is not checkpoint-0"
-    # docs/speed-and-scaling.md's merge: an ordinary model folder that computes what the
-    # adapter model computes
-    (AutoPeftModelForCausalLM.from_pretrained(folder / 'checkpoint-3').merge_and_unload()
-     .save_pretrained(tmp_path / 'merged'))
-    ids = torch.randint(0, 1000, (1, 10))
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / 'merged')(ids).logits
-    adapted = AutoPeftModelForCausalLM.from_pretrained(folder / 'checkpoint-3')(ids).logits
-    assert torch.allclose(merged, adapted, atol=1e-5)
+    check_the_merge(folder / 'checkpoint-3', tmp_path / 'merged')
 
 
 @slow
@@ -3428,14 +3542,9 @@ def test_fresh_lora_adapters_are_the_same_on_every_process(tiny_model_dir):
 COMPARED = ('model.layers.', 'model.norm.')  # and the embedding rows the fixed batch uses
 
 
-def fixed_steps(model_dir, out):
-    """One optimizer step per --loss_type, with and without a process that has nothing to train,
-    on a fixed batch of 8 trajectories (one of which errs), shared out over the processes that
-    torchrun started (or taken whole by one process). Rank 0 saves, per case, the parameters the
-    step moved (COMPARED) and the logged loss."""
-    import train
-    from transformers import AutoModelForCausalLM
-    rank, world = train.start_processes(config.Args(rows_per_step=8, device='cpu'))
+def fixed_batch():
+    """8 trajectories of one turn, prompts of 6..13 tokens and replies of 2..9; trajectory 2
+    errs."""
     generator = torch.Generator().manual_seed(0)
     trajectories = []
     for n in range(8):  # prompts of 6..13 tokens, replies of 2..9
@@ -3444,28 +3553,47 @@ def fixed_steps(model_dir, out):
         trajectories.append(Trajectory(RolloutInferRequest([]),
                                        [Segment(ids, mask, [0.0] * len(ids), mask)], num_turns=1,
                                        stop_reason='error' if n == 2 else 'done'))
+    return trajectories
+
+
+def fixed_step(model_dir, trajectories, mine, loss_type, starved):
+    """One SGD step of the model on this process's trajectories (`mine`, indices into the 8):
+    the parameters it moved (COMPARED, and the embedding rows) and the logged loss."""
+    from transformers import AutoModelForCausalLM
+    advantages = torch.linspace(-1, 1, 8) * torch.tensor([1.0, 0.0] * 4 if starved
+                                                         else [1.0] * 8)
+    valid = torch.tensor([n != 2 for n in range(8)])
+    scores = grpo.Scores(None, None, advantages[mine], advantages[mine, None], valid[mine],
+                         valid[mine],
+                         [k for k, i in enumerate(mine) if valid[i] and advantages[i] != 0])
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    args = config.Args(loss_type=loss_type, micro_batch_size=2,
+                       gradient_checkpointing=False, max_grad_norm=1e9, rows_per_step=8,
+                       num_generations=1, max_turns=1, max_completion_length=8)
+    # SGD: Adam's first step is near sign(g), too touchy
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    stats = update.train_step(model, None, optimizer, [trajectories[i] for i in mine],
+                              scores, args, 0)
+    moved = {k: v.clone() for k, v in model.state_dict().items() if k.startswith(COMPARED)}
+    moved['embed'] = model.state_dict()['model.embed_tokens.weight'][:1000].clone()
+    return moved, stats['loss']
+
+
+def fixed_steps(model_dir, out):
+    """One optimizer step per --loss_type, with and without a process that has nothing to train,
+    on a fixed batch of 8 trajectories (one of which errs), shared out over the processes that
+    torchrun started (or taken whole by one process). Rank 0 saves, per case, the parameters the
+    step moved (COMPARED) and the logged loss."""
+    import train
+    rank, world = train.start_processes(config.Args(rows_per_step=8, device='cpu'))
+    trajectories = fixed_batch()
     mine = list(range(rank, 8, world))
     results = {}
     for loss_type in ('bnpo', 'dapo', 'grpo', 'dr_grpo'):
         # starved: trajectories 1, 3, 5, 7 (the second process's) have A = 0
         for starved in (False, True):
-            advantages = torch.linspace(-1, 1, 8) * torch.tensor([1.0, 0.0] * 4 if starved
-                                                                 else [1.0] * 8)
-            valid = torch.tensor([n != 2 for n in range(8)])
-            scores = grpo.Scores(None, None, advantages[mine], advantages[mine, None], valid[mine],
-                                 valid[mine],
-                                 [k for k, i in enumerate(mine) if valid[i] and advantages[i] != 0])
-            model = AutoModelForCausalLM.from_pretrained(model_dir)
-            args = config.Args(loss_type=loss_type, micro_batch_size=2,
-                               gradient_checkpointing=False, max_grad_norm=1e9, rows_per_step=8,
-                               num_generations=1, max_turns=1, max_completion_length=8)
-            # SGD: Adam's first step is near sign(g), too touchy
-            optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-            stats = update.train_step(model, None, optimizer, [trajectories[i] for i in mine],
-                                      scores, args, 0)
-            moved = {k: v.clone() for k, v in model.state_dict().items() if k.startswith(COMPARED)}
-            moved['embed'] = model.state_dict()['model.embed_tokens.weight'][:1000].clone()
-            results[loss_type, starved] = moved, stats['loss']
+            results[loss_type, starved] = fixed_step(model_dir, trajectories, mine, loss_type,
+                                                     starved)
     # whole groups of 2 on each process
     block = list(range(rank * 8 // world, (rank + 1) * 8 // world))
     for t, reward in zip(trajectories, [1, 0, 0, 0, 1, 1, 1, 0]):
@@ -3500,31 +3628,33 @@ def test_processes_take_one_process_step_for_every_loss_type(tmp_path, tiny_mode
         assert not torch.equal(weights['embed'], start['model.embed_tokens.weight'][:1000]), case
 
 
+class OnMeta(torch.overrides.TorchFunctionMode):
+    """An op that meets a CPU tensor and a meta one raises, as CUDA would; a number read from a
+    meta tensor is 1."""
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        tensors = [a for a in torch.utils._pytree.tree_flatten((args, kwargs or {}))[0]
+                   if isinstance(a, torch.Tensor)]
+        name = getattr(func, '__name__', str(func))
+        # CUDA takes CPU scalars and indices
+        left = [t for t in tensors if t.device.type == 'cpu' and t.dim() > 0]
+        if (left and any(t.device.type == 'meta' for t in tensors)
+                and name not in ('__getitem__', '__setitem__', 'to')):
+            raise RuntimeError(f'{name}: a CPU tensor {tuple(left[0].shape)} meets the '
+                               'model\'s device')
+        if (name in ('item', 'tolist', '__bool__', '__float__') and tensors
+                and tensors[0].device.type == 'meta'):
+            return ([1.0] * tensors[0].numel() if name == 'tolist'
+                    else True if name == '__bool__' else 1.0)
+        return func(*args, **(kwargs or {}))
+
+
 @slow
 def test_the_update_runs_where_the_model_is(tiny_model_dir):
     """The accelerator path, on a CPU: the models on the `meta` device, where an op that meets a
     CPU tensor raises as CUDA would (OnMeta); a number read from a meta tensor is 1."""
     import torch.fx.experimental._config as fx_config
-    from torch.overrides import TorchFunctionMode
     from transformers import AutoModelForCausalLM
     import models
-
-    class OnMeta(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            tensors = [a for a in torch.utils._pytree.tree_flatten((args, kwargs or {}))[0]
-                       if isinstance(a, torch.Tensor)]
-            name = getattr(func, '__name__', str(func))
-            # CUDA takes CPU scalars and indices
-            left = [t for t in tensors if t.device.type == 'cpu' and t.dim() > 0]
-            if (left and any(t.device.type == 'meta' for t in tensors)
-                    and name not in ('__getitem__', '__setitem__', 'to')):
-                raise RuntimeError(f'{name}: a CPU tensor {tuple(left[0].shape)} meets the '
-                                   'model\'s device')
-            if (name in ('item', 'tolist', '__bool__', '__float__') and tensors
-                    and tensors[0].device.type == 'meta'):
-                return ([1.0] * tensors[0].numel() if name == 'tolist'
-                        else True if name == '__bool__' else 1.0)
-            return func(*args, **(kwargs or {}))
 
     # boolean-mask indexing on meta: assume every entry is picked
     fx_config.meta_nonzero_assume_all_nonzero = True
@@ -3541,7 +3671,8 @@ def test_the_update_runs_where_the_model_is(tiny_model_dir):
                                max_turns=2, rollout_importance_sampling_mode='token_truncate',
                                lora_rank=2)
             model = models.load_policy(tiny_model_dir, args, meta)
-            assert all(p.device == meta for p in model.parameters())
+            assert all(p.device == meta for p in model.parameters()), \
+                'load_policy puts the model on the device it is given'
             optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
             for share in (True, False):
                 with OnMeta():
