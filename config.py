@@ -1,6 +1,5 @@
-"""The flags of train.py and server.py (`Args`, ms-swift's names where the concept is the same), and
-every check that can run before a model loads (`check_args`). An env class brings its own
-`train_defaults`, reward columns and held-out rows."""
+"""The flags of train.py and server.py (`Args`, ms-swift's names) and every check that can run
+before a model loads (`check_args`); an env class brings its train_defaults, rewards, eval rows."""
 import argparse
 import importlib.util
 import json
@@ -75,8 +74,9 @@ class Args:
     max_resample_times: int = flag(3, 'with --dynamic_sample: most extra rollout rounds a step')
     overlong_filter: bool = flag(False, 'leave trajectories cut by a length limit out of the loss')
     importance_sampling_level: str = flag('token', 'token or sequence (GSPO: a ratio per sequence)')
-    rollout_importance_sampling_mode: Optional[str] = flag(None, 'engine/trainer mismatch '
-                                                           'correction (not given: off)')
+    rollout_importance_sampling_mode: Optional[str] = flag(
+        None, 'engine/trainer mismatch correction: token_truncate, token_mask, sequence_truncate, '
+        'sequence_mask; not given: off')
     rollout_importance_sampling_threshold: float = flag(2.0, 'upper bound of those weights')
     beta: float = flag(0.0, 'KL penalty to the starting model (0: no reference model kept)')
     epsilon: float = flag(0.2, 'lower clip range of the ratio')
@@ -91,7 +91,7 @@ class Args:
     share_prompt: bool = flag(True, 'compute shared prompts once: the same gradients, less work')
     gradient_checkpointing: bool = flag(True, 'recompute activations: less memory, ~1.2x the time')
     max_grad_norm: float = flag(1.0, 'gradient clipping')
-    warm_start_learning_rate: Optional[float] = flag(None, 'its rate; not given: --learning_rate')
+    warm_start_learning_rate: Optional[float] = flag(None, 'not given: --learning_rate')
     warm_start_steps: int = flag(0, "supervised steps on Env.expert_reply's games before GRPO")
     warm_start_generations: int = flag(1, 'games the expert plays on each row a supervised step '
                                        "picks, numbered in column expert_game (seeds its coin)")
@@ -227,7 +227,7 @@ def held_out(rows, env_cls, eval_size: int, ratio: float, dataset: str):
         return rows, [{**row, **column} for row in own]
     n = min(eval_size, math.ceil(len(rows) * ratio))
     if n >= len(rows):
-        raise UserError(f'--split_dataset_ratio {ratio}: holds out all {len(rows)} rows')
+        raise UserError(f'{dataset}: --split_dataset_ratio {ratio} holds out all {len(rows)} rows')
     return rows[:len(rows) - n], rows[len(rows) - n:]
 
 
