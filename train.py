@@ -13,6 +13,7 @@ engines.Colocated.load_weights -> logs.RunLog.step.
 The flags and their checks are in config.py, the task's own rules in its env class (env.py).
 LoRA, torchrun and GPUs: docs/speed-and-scaling.md. Left out: learning-rate decay, FSDP.
 """
+import atexit
 import dataclasses
 import os
 import random
@@ -72,8 +73,7 @@ def warm_start(model, source, rows, args: Args, tokenizer, rank=0, world=1):
     and temperature 1. The ratio is then 1, so the loss's gradient is that of the replies' mean
     negative log-likelihood under the model itself (the loss's value is -1; the log-likelihood is
     what logprob_gap shows, the expert's logprobs being 0). SCOUT (arXiv 2601.21754) warms up so.
-    It has an AdamW of its own, left behind: GRPO starts with a fresh one, as a separate run of
-    ms-swift or TRL would (the supervised momentum would otherwise carry on into GRPO's steps)."""
+    Its AdamW stays behind: GRPO starts a fresh one, as a separate ms-swift or TRL run would."""
     expert = Colocated(None, ExpertScheduler(None, args.max_turns, tokenizer=tokenizer,
                                              gym_env=args.gym_env,
                                              max_model_len=args.vllm_max_model_len))
@@ -111,9 +111,8 @@ def collect(source, task: Task, step: int, args: Args, rank: int = 0, world: int
     """Step 1: this step's rows (this process's share of them) -> groups of trajectories. With
     --dynamic_sample (DAPO), groups without reward spread are replaced by groups of fresh rows, for
     at most --max_resample_times more rollout rounds; if too few are found, the last groups without
-    spread fill the batch up again, so that it keeps its size. Each process draws its fresh rows
-    from its own share of the rows the step did not pick. A group is informative when some
-    advantage is not 0 (with gigpo: of a turn). Returns (trajectories, rounds used)."""
+    spread fill the batch up again, so that it keeps its size. Each process draws fresh rows from
+    its share of the rows the step did not pick. Returns (trajectories, rounds used)."""
     rows, g = task.rows, args.num_generations
     rng = random.Random(args.seed * 100_003 + step)  # a step's rows depend on --seed and step only
     if args.train_dataloader_shuffle:
@@ -153,6 +152,7 @@ def start_processes(args: Args):
     if device.type == 'cuda':  # NCCL all-reduces the tensors of this process's GPU
         torch.cuda.set_device(device)
     dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo')
+    atexit.register(dist.destroy_process_group)  # an exit without it can abort: pytorch#190489
     return dist.get_rank(), world
 
 
