@@ -15,11 +15,14 @@ expert path meets a fork (a cell where both moves toward G are open and one of t
 half where the goal line's first word leads into the hole and half where its second word does,
 so that no word-order rule wins them and only the hole tells the moves apart. With --at_start
 the fork is the start itself (19% of maps): forks.jsonl, the default dataset, is
-`python baselines.py --forks 1024 --at_start --reason`.
+`python baselines.py --forks 1024 --at_start --reason`. --detours K appends K maps whose start
+needs a detour (every move toward G leads into a hole; 4% of maps).
 
 `python baselines.py --completions output/completions.jsonl` reads a run's training games
 instead: per step, at the forks its walks met, the moves into the hole (and of them, those into a
 hole the reply had just named), around it, and the goal line's first word (docs/results.md).
+`python baselines.py --losses output/evals.jsonl` sorts a run's held-out games: won, unfinished,
+or where the walk fell in: at a fork, where a detour was needed, or away from G.
 """
 import argparse
 import json
@@ -92,6 +95,20 @@ def fork_rows(n: int, env_config: dict, at_start: bool = False, first_seed: int 
              'env_config': {'seed': s, **env_config}} for s in seeds]
 
 
+def detour_rows(n: int, env_config: dict, first_seed: int = 1000):
+    """n dataset rows of maps whose start needs a detour: each way the goal line names a hole."""
+    seeds, seed = [], first_seed
+    while len(seeds) < n:
+        grid = generate_random_map(seed=seed)
+        cell = find(grid, 'S')
+        ahead = [moved(grid, *cell, move) for move in goal_words(grid, cell)]
+        if all(grid[r][c] == 'H' for r, c in ahead):
+            seeds.append(seed)
+        seed += 1
+    return [{'messages': [{'role': 'user', 'content': '<placeholder>'}],
+             'env_config': {'seed': s, **env_config}} for s in seeds]
+
+
 def fork_moves(games) -> dict:
     """{step: [into the hole, around it, the goal line's first word, into a hole the reply had just
     named]} over the moves made at forks by the games of a completions.jsonl (each game's map and
@@ -112,6 +129,27 @@ def fork_moves(games) -> dict:
                 said = replies[k] if k < len(replies) else ''  # FrozenLake: a reply a step
                 counts[3] += move == hole and bool(re.search(rf'\b{move} is a hole', said, re.I))
             cell = tuple(info.get('position', cell))
+    return steps
+
+
+def losses(games) -> dict:
+    """{step: {outcome: games}} over the held-out games of an evals.jsonl. Outcomes: 'won',
+    'unfinished', 'error', or the hole's place: 'fork' (another move toward G was open), 'detour'
+    (every move toward G led into a hole), 'away from G'."""
+    steps = {}
+    for game in games:
+        infos = game['rollout_infos']
+        grid = (infos.get('reset_info') or {}).get('grid')
+        path = [find(grid, 'S')] + [tuple(i['position']) for i in infos.get('step_infos', [])
+                                    if 'position' in i] if grid else []
+        end = grid[path[-1][0]][path[-1][1]] if grid else None
+        outcome = {'G': 'won', 'H': None, None: 'error'}.get(end, 'unfinished')
+        if outcome is None:
+            ahead = [moved(grid, *path[-2], m) for m in toward(grid, path[-2], find(grid, 'G'))]
+            outcome = ('away from G' if path[-1] not in ahead else
+                       'detour' if all(grid[r][c] == 'H' for r, c in ahead) else 'fork')
+        counts = steps.setdefault(game['step'], {})
+        counts[outcome] = counts.get(outcome, 0) + 1
     return steps
 
 
@@ -139,9 +177,15 @@ if __name__ == '__main__':
     parser.add_argument('--coin_at_forks', type=float, nargs='?', const=0.5, default=0.0,
                         help='with --forks: rows whose expert steps into the hole at a fork with '
                              'this probability (alone: 0.5, a fair coin)')
+    parser.add_argument('--detours', type=int, default=0,
+                        help='with --forks: append this many maps whose start needs a detour')
     parser.add_argument('--completions', help="print the fork moves of a run's completions.jsonl")
+    parser.add_argument('--losses', help="sort the held-out games of a run's evals.jsonl")
     args = parser.parse_args()
-    if args.completions:
+    if args.losses:
+        for step, counts in sorted(losses(map(json.loads, open(args.losses))).items()):
+            print(f'step {step}: ' + ', '.join(f'{n} {k}' for k, n in sorted(counts.items())))
+    elif args.completions:
         for step, (hole, around, first, named) in sorted(
                 fork_moves(map(json.loads, open(args.completions))).items()):
             print(f'step {step}: at forks, {hole} moves into the hole ({named} named a hole by its '
@@ -149,7 +193,8 @@ if __name__ == '__main__':
     elif args.forks:
         config = {'observation': args.observation, **({'reason': True} if args.reason else {}),
                   **({'coin_at_forks': args.coin_at_forks} if args.coin_at_forks else {})}
-        print('\n'.join(json.dumps(row) for row in fork_rows(args.forks, config, args.at_start)))
+        rows = fork_rows(args.forks, config, args.at_start) + detour_rows(args.detours, config)
+        print('\n'.join(json.dumps(row) for row in rows))
     else:
         maps = [generate_random_map(seed=EVAL_SEED_BASE + i) for i in range(10_000)]
         for name, policy in POLICIES.items():

@@ -4,7 +4,8 @@
 2. A progress bar over the steps, and one readable line per step.
 3. metrics.jsonl: one record per step and one per evaluation.
 4. completions.jsonl: one line per training trajectory (the document: the env's info dicts go
-   there), with its reward columns, weighted reward and advantage.
+   there), with its reward columns, weighted reward and advantage; evals.jsonl: one line per
+   held-out game (its step, tag and rollout_infos: `baselines.py --losses` sorts them).
 5. Two decoded trajectories per evaluation, the model's own tokens in [[...]].
 6. curve.png at the end: training reward per step, held-out success (or reward) with its interval;
    agent.png, when the env can draw a game (`Env.draw`): the first held-out games, before GRPO
@@ -90,6 +91,7 @@ class RunLog:
         os.makedirs(output_dir, exist_ok=True)
         self.metrics = open(os.path.join(output_dir, 'metrics.jsonl'), 'a')
         self.completions = open(os.path.join(output_dir, 'completions.jsonl'), 'a')
+        self.evals = open(os.path.join(output_dir, 'evals.jsonl'), 'a')
         if 'tensorboard' in report_to:  # `tensorboard --logdir OUTPUT_DIR/runs` shows it live
             from torch.utils.tensorboard import SummaryWriter
             self.dashboards.append(SummaryWriter(os.path.join(output_dir, 'runs')))
@@ -170,9 +172,12 @@ class RunLog:
 
     def evaluation(self, step: int, tag: str, result: dict, seconds: float):
         """An evaluation's line, two of its games decoded, and its metrics.jsonl record (`examples`
-        and `games` leave the result: the games go into agent.png at the end)."""
-        examples = result.pop('examples')
-        self.games.append((step, result.pop('games')))
+        and `games` leave the result: evals.jsonl gets the games, agent.png the first four)."""
+        examples, games = result.pop('examples'), result.pop('games')
+        self.games.append((step, games[:4]))
+        self.evals.writelines(json.dumps({'step': step, 'tag': tag, 'rollout_infos': infos}) + '\n'
+                              for infos in games)
+        self.evals.flush()
         score = f"reward {result['reward']:.3f}"
         if 'success' in result:
             score = (f"success {result['success']:.1%} [{result['success_low']:.1%}, "

@@ -1510,6 +1510,28 @@ def test_the_fork_moves_of_a_run_are_counted_per_step(tmp_path):
                           "1 around it, 1 the goal line's first word\n")
 
 
+def test_the_lost_games_of_an_evaluation_are_sorted_by_where_they_fell(tmp_path):
+    """baselines.py --losses: S (G 2 down, 2 right) has a hole below and ice right: a walk down
+    falls at a fork; right, right, down falls where the one way toward G is a hole (a detour was
+    needed); right, down, left falls away from G; one stops on ice; one reaches G."""
+    grid = ['SFF', 'HFH', 'FFG']
+    walks = [[[1, 0]], [[0, 1], [0, 2], [1, 2]], [[0, 1], [1, 1], [1, 0]], [[0, 1]],
+             [[0, 1], [1, 1], [2, 1], [2, 2]]]
+    games = [{'step': 2, 'rollout_infos': {'reset_info': {'grid': grid},
+                                           'step_infos': [{'position': p} for p in walk]}}
+             for walk in walks] + [{'step': 4, 'rollout_infos': {'error': 'boom'}}]
+    import baselines
+    assert baselines.losses(games) == {2: {'fork': 1, 'detour': 1, 'away from G': 1,
+                                           'unfinished': 1, 'won': 1}, 4: {'error': 1}}, \
+        'a hole beside an open way toward G is a fork; with none open, a detour was needed'
+    path = tmp_path / 'evals.jsonl'
+    path.write_text(''.join(json.dumps(g) + '\n' for g in games))
+    run = subprocess.run([sys.executable, 'baselines.py', '--losses', str(path)],
+                         cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert run.stdout == ('step 2: 1 away from G, 1 detour, 1 fork, 1 unfinished, 1 won\n'
+                          'step 4: 1 error\n'), run.stderr
+
+
 def test_a_reasoned_reply_says_what_lies_toward_G_then_moves():
     """env_config reason: the expert names what each goal-line move leads to, in the goal line's
     order, then the move; the move is still read from the tag, not from the words before it."""
@@ -2232,10 +2254,16 @@ def test_evaluation_is_the_tasks_own(tokenizer, tmp_path):
             and result['success_low'] > 0.75)
     # a step's keys: the weighted reward
     assert result['reward/gym'] == 1.0 and result['reward'] == 1.5
-    assert [g['step_infos'][-1]['status'] for g in result['games']] == ['goal'] * 4
+    assert [g['step_infos'][-1]['status'] for g in result['games']] == ['goal'] * 16
     # agent.png's strip
-    logs.draw_games(str(tmp_path), [(0, result['games'])], frozen_lake.FrozenLakeEnv)
+    logs.draw_games(str(tmp_path), [(0, result['games'][:4])], frozen_lake.FrozenLakeEnv)
     assert (tmp_path / 'agent.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    # evals.jsonl: a line per held-out game, which baselines.py --losses reads
+    logs.RunLog(str(tmp_path), tokenizer, ['format', 'gym'], 'frozen_lake').evaluation(
+        3, 'during', result, 1.0)
+    import baselines
+    games = [json.loads(line) for line in open(tmp_path / 'evals.jsonl')]
+    assert baselines.losses(games) == {3: {'won': 16}}, 'evals.jsonl: every held-out game, won'
     echo = Colocated(None, GYMScheduler(ScriptedEngine(tokenizer, lambda text: 'four'),
                                         tokenizer=tokenizer, gym_env='echo'))
     result = train.evaluate(echo, config.Task([], [{'messages': [], 'env_config': {}}] * 3, EchoEnv,

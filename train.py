@@ -200,7 +200,7 @@ def evaluate(source, task: Task, args: Args) -> dict:
     if None not in wins:
         low, high = success_interval(sum(wins), len(wins))
         result.update(success=sum(wins) / len(wins), success_low=low, success_high=high)
-    return {**result, 'examples': games[:2], 'games': [t.rollout_infos for t in games[:4]]}
+    return {**result, 'examples': games[:2], 'games': [t.rollout_infos for t in games]}
 
 
 def evaluation(log: RunLog, source, task: Task, args: Args, step: int, tag: str):
