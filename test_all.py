@@ -1399,6 +1399,12 @@ def test_the_fork_dataset_balances_the_word_the_hole_is_in():
     grids = [generate_random_map(seed=r['env_config']['seed']) for r in start]
     assert [baselines.fork(g, frozen_lake.find(g, 'S')) for g in grids] == ['first', 'second'] * 4
     assert all(r['env_config']['reason'] for r in start)
+    # --detours: maps whose S needs a detour (every way the goal line names is a hole)
+    for row in baselines.detour_rows(4, {'observation': 'around'}):
+        grid = generate_random_map(seed=row['env_config']['seed'])
+        ahead = [frozen_lake.moved(grid, *frozen_lake.find(grid, 'S'), m)
+                 for m in baselines.goal_words(grid, frozen_lake.find(grid, 'S'))]
+        assert all(grid[r][c] == 'H' for r, c in ahead), 'a detour start: no way toward G open'
 
 
 @pytest.mark.parametrize('coin, share', [(True, 0.5), (0.25, 0.25), (False, 0.0)])
