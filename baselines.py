@@ -95,14 +95,15 @@ def fork_rows(n: int, env_config: dict, at_start: bool = False, first_seed: int 
              'env_config': {'seed': s, **env_config}} for s in seeds]
 
 
-def detour_rows(n: int, env_config: dict, first_seed: int = 1000):
-    """n dataset rows of maps whose start needs a detour: each way the goal line names a hole."""
+def detour_rows(n: int, env_config: dict, taken=(), first_seed: int = 1000):
+    """n dataset rows of maps whose start needs a detour (each way the goal line names is a hole),
+    none of the seeds `taken`."""
     seeds, seed = [], first_seed
     while len(seeds) < n:
         grid = generate_random_map(seed=seed)
         cell = find(grid, 'S')
         ahead = [moved(grid, *cell, move) for move in goal_words(grid, cell)]
-        if all(grid[r][c] == 'H' for r, c in ahead):
+        if seed not in taken and all(grid[r][c] == 'H' for r, c in ahead):
             seeds.append(seed)
         seed += 1
     return [{'messages': [{'role': 'user', 'content': '<placeholder>'}],
@@ -133,22 +134,22 @@ def fork_moves(games) -> dict:
 
 
 def losses(games) -> dict:
-    """{step: {outcome: games}} over the held-out games of an evals.jsonl. Outcomes: 'won',
-    'unfinished', 'error', or the hole's place: 'fork' (another move toward G was open), 'detour'
-    (every move toward G led into a hole), 'away from G'."""
+    """{(step, tag): {outcome: games}} over the FrozenLake games of an evals.jsonl. Outcomes:
+    'won', 'unfinished', 'error', or the hole's place: 'fork' (another move toward G was open),
+    'detour' (every move toward G led into a hole), 'away from G'."""
     steps = {}
     for game in games:
         infos = game['rollout_infos']
-        grid = (infos.get('reset_info') or {}).get('grid')
-        path = [find(grid, 'S')] + [tuple(i['position']) for i in infos.get('step_infos', [])
-                                    if 'position' in i] if grid else []
-        end = grid[path[-1][0]][path[-1][1]] if grid else None
-        outcome = {'G': 'won', 'H': None, None: 'error'}.get(end, 'unfinished')
+        grid, outcome = (infos.get('reset_info') or {}).get('grid'), 'error'
+        if grid and not infos.get('error'):
+            path = [find(grid, 'S')] + [tuple(i['position']) for i in infos.get('step_infos', [])
+                                        if 'position' in i]
+            outcome = {'G': 'won', 'H': None}.get(grid[path[-1][0]][path[-1][1]], 'unfinished')
         if outcome is None:
             ahead = [moved(grid, *path[-2], m) for m in toward(grid, path[-2], find(grid, 'G'))]
             outcome = ('away from G' if path[-1] not in ahead else
                        'detour' if all(grid[r][c] == 'H' for r, c in ahead) else 'fork')
-        counts = steps.setdefault(game['step'], {})
+        counts = steps.setdefault((game['step'], game.get('tag', '')), {})
         counts[outcome] = counts.get(outcome, 0) + 1
     return steps
 
@@ -182,9 +183,12 @@ if __name__ == '__main__':
     parser.add_argument('--completions', help="print the fork moves of a run's completions.jsonl")
     parser.add_argument('--losses', help="sort the held-out games of a run's evals.jsonl")
     args = parser.parse_args()
+    if args.detours and not args.forks:
+        parser.error('--detours: only with --forks N')
     if args.losses:
-        for step, counts in sorted(losses(map(json.loads, open(args.losses))).items()):
-            print(f'step {step}: ' + ', '.join(f'{n} {k}' for k, n in sorted(counts.items())))
+        for (step, tag), counts in sorted(losses(map(json.loads, open(args.losses))).items()):
+            shares = ', '.join(f'{n} {kind}' for kind, n in sorted(counts.items()))
+            print(f'step {step} ({tag}): {shares}')
     elif args.completions:
         for step, (hole, around, first, named) in sorted(
                 fork_moves(map(json.loads, open(args.completions))).items()):
@@ -193,7 +197,8 @@ if __name__ == '__main__':
     elif args.forks:
         config = {'observation': args.observation, **({'reason': True} if args.reason else {}),
                   **({'coin_at_forks': args.coin_at_forks} if args.coin_at_forks else {})}
-        rows = fork_rows(args.forks, config, args.at_start) + detour_rows(args.detours, config)
+        rows = fork_rows(args.forks, config, args.at_start)
+        rows += detour_rows(args.detours, config, {row['env_config']['seed'] for row in rows})
         print('\n'.join(json.dumps(row) for row in rows))
     else:
         maps = [generate_random_map(seed=EVAL_SEED_BASE + i) for i in range(10_000)]

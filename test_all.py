@@ -1399,12 +1399,17 @@ def test_the_fork_dataset_balances_the_word_the_hole_is_in():
     grids = [generate_random_map(seed=r['env_config']['seed']) for r in start]
     assert [baselines.fork(g, frozen_lake.find(g, 'S')) for g in grids] == ['first', 'second'] * 4
     assert all(r['env_config']['reason'] for r in start)
-    # --detours: maps whose S needs a detour (every way the goal line names is a hole)
-    for row in baselines.detour_rows(4, {'observation': 'around'}):
-        grid = generate_random_map(seed=row['env_config']['seed'])
-        ahead = [frozen_lake.moved(grid, *frozen_lake.find(grid, 'S'), m)
-                 for m in baselines.goal_words(grid, frozen_lake.find(grid, 'S'))]
-        assert all(grid[r][c] == 'H' for r, c in ahead), 'a detour start: no way toward G open'
+    # --detours: maps whose S needs a detour (the expert's first move is not toward G), none of
+    # the fork rows' maps
+    taken = {r['env_config']['seed'] for r in rows}
+    detours = baselines.detour_rows(4, {'observation': 'around'}, taken)
+    assert len(detours) == 4 and not taken & {r['env_config']['seed'] for r in detours}
+    for row in detours:
+        grid, config = generate_random_map(seed=row['env_config']['seed']), row['env_config']
+        start = frozen_lake.find(grid, 'S')
+        assert config['observation'] == 'around', 'the rows carry the env_config'
+        assert frozen_lake.expert_move(grid, start) not in baselines.goal_words(grid, start), \
+            'a detour start: every way the goal line names is a hole'
 
 
 @pytest.mark.parametrize('coin, share', [(True, 0.5), (0.25, 0.25), (False, 0.0)])
@@ -1523,19 +1528,28 @@ def test_the_lost_games_of_an_evaluation_are_sorted_by_where_they_fell(tmp_path)
     grid = ['SFF', 'HFH', 'FFG']
     walks = [[[1, 0]], [[0, 1], [0, 2], [1, 2]], [[0, 1], [1, 1], [1, 0]], [[0, 1]],
              [[0, 1], [1, 1], [2, 1], [2, 2]]]
-    games = [{'step': 2, 'rollout_infos': {'reset_info': {'grid': grid},
-                                           'step_infos': [{'position': p} for p in walk]}}
-             for walk in walks] + [{'step': 4, 'rollout_infos': {'error': 'boom'}}]
+    games = [{'step': 2, 'tag': 'during',
+              'rollout_infos': {'reset_info': {'grid': grid},
+                                'step_infos': [{'position': p} for p in walk]}} for walk in walks]
+    # an env that raised, before the map or after it; a bump and an invalid reply stay put
+    games += [{'step': 4, 'tag': 'after', 'rollout_infos': {'error': 'boom'}},
+              {'step': 4, 'tag': 'after', 'rollout_infos': {'error': 'step 2: boom',
+                                                            'reset_info': {'grid': grid}}},
+              {'step': 4, 'tag': 'after', 'rollout_infos': {
+                  'reset_info': {'grid': grid},
+                  'step_infos': [{'position': [0, 0]}, {'status': 'invalid'},
+                                 {'position': [1, 0]}]}}]
     import baselines
-    assert baselines.losses(games) == {2: {'fork': 1, 'detour': 1, 'away from G': 1,
-                                           'unfinished': 1, 'won': 1}, 4: {'error': 1}}, \
+    assert baselines.losses(games) == {(2, 'during'): {'fork': 1, 'detour': 1, 'away from G': 1,
+                                                       'unfinished': 1, 'won': 1},
+                                       (4, 'after'): {'error': 2, 'fork': 1}}, \
         'a hole beside an open way toward G is a fork; with none open, a detour was needed'
     path = tmp_path / 'evals.jsonl'
     path.write_text(''.join(json.dumps(g) + '\n' for g in games))
     run = subprocess.run([sys.executable, 'baselines.py', '--losses', str(path)],
                          cwd=HERE, capture_output=True, text=True, timeout=120)
-    assert run.stdout == ('step 2: 1 away from G, 1 detour, 1 fork, 1 unfinished, 1 won\n'
-                          'step 4: 1 error\n'), run.stderr
+    assert run.stdout == ('step 2 (during): 1 away from G, 1 detour, 1 fork, 1 unfinished, 1 won\n'
+                          'step 4 (after): 2 error, 1 fork\n'), run.stderr
 
 
 def test_a_reasoned_reply_says_what_lies_toward_G_then_moves():
@@ -2269,7 +2283,8 @@ def test_evaluation_is_the_tasks_own(tokenizer, tmp_path):
         3, 'during', result, 1.0)
     import baselines
     games = [json.loads(line) for line in open(tmp_path / 'evals.jsonl')]
-    assert baselines.losses(games) == {3: {'won': 16}}, 'evals.jsonl: every held-out game, won'
+    assert baselines.losses(games) == {(3, 'during'): {'won': 16}}, \
+        'evals.jsonl: every held-out game, won'
     echo = Colocated(None, GYMScheduler(ScriptedEngine(tokenizer, lambda text: 'four'),
                                         tokenizer=tokenizer, gym_env='echo'))
     result = train.evaluate(echo, config.Task([], [{'messages': [], 'env_config': {}}] * 3, EchoEnv,
@@ -3638,6 +3653,8 @@ def fixed_steps(model_dir, out):
     advantages = train.gather(scores.advantages, world)
     if rank == 0:
         torch.save({**results, 'batch': torch.cat(advantages)}, out)
+    if world > 1:
+        torch.distributed.destroy_process_group()  # as train.py: else gloo can abort the exit
 
 
 @slow

@@ -13,8 +13,8 @@ engines.Colocated.load_weights -> logs.RunLog.step.
 The flags and their checks are in config.py, the task's own rules in its env class (env.py).
 LoRA, torchrun and GPUs: docs/speed-and-scaling.md. Left out: learning-rate decay, FSDP.
 """
-import atexit
 import dataclasses
+import gc
 import os
 import random
 import sys
@@ -152,7 +152,6 @@ def start_processes(args: Args):
     if device.type == 'cuda':  # NCCL all-reduces the tensors of this process's GPU
         torch.cuda.set_device(device)
     dist.init_process_group('nccl' if device.type == 'cuda' else 'gloo')
-    atexit.register(dist.destroy_process_group)  # an exit without it can abort: pytorch#190489
     return dist.get_rank(), world
 
 
@@ -183,10 +182,9 @@ def score_step(trajectories, task: Task, args: Args, gather_std: bool = True) ->
 
 
 def evaluate(source, task: Task, args: Args) -> dict:
-    """One game per held-out row at --eval_temperature (0: greedy), played a training step's batch
-    at a time (what fits the engine's KV cache; all at once would not, and it would recompute
-    what turns share): the keys of a step's record, and success with its Wilson 95% interval
-    where the env says what success is."""
+    """One game per held-out row at --eval_temperature (0: greedy), a training step's batch at a
+    time (what fits the engine's KV cache): a step's record's keys, success with its Wilson 95%
+    interval where the env says what success is, and every game's rollout_infos (evals.jsonl)."""
     games, chunk = [], args.rows_per_step * args.num_generations
     for i in tqdm(range(0, len(task.eval_rows), chunk), desc='eval', unit='chunk', leave=False):
         games += source.rollout(task.eval_rows[i:i + chunk], 1, args.eval_temperature)
@@ -221,9 +219,8 @@ def learning_rate(args: Args, step: int) -> float:
 
 
 def warm_phase(model, source, task, args, tokenizer, optimizer, log, rank, world):
-    """The warm start, then checkpoint-0 (never deleted: GRPO resumes from it, or it is the model)
-    and, with --eval_steps, its evaluation at step 0. Returns GRPO's KL anchor (with --beta): the
-    model GRPO starts from."""
+    """The warm start, checkpoint-0 (never deleted: GRPO resumes from it) and, with --eval_steps,
+    its evaluation at step 0. Returns GRPO's KL anchor (with --beta): the model GRPO starts from."""
     warm_start(model, source, task.rows, args, tokenizer, rank, world)
     if rank == 0:
         save_checkpoint(model, tokenizer, optimizer, 0, args)
@@ -279,3 +276,6 @@ if __name__ == '__main__':
         main(parse_args())
     except UserError as e:
         sys.exit(f'error: {e}')
+    gc.collect()  # vLLM's engine, unreferenced now, shuts down (it may leave the process group)
+    if dist.is_initialized():  # on success only: NCCL's would hang on a rank that failed
+        dist.destroy_process_group()  # else gloo's threads can abort the exit (pytorch#190489)
