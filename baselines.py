@@ -91,8 +91,18 @@ def fork_rows(n: int, env_config: dict, at_start: bool = False, first_seed: int 
             picked[min(kinds)].append(seed)
         seed += 1
     seeds = [s for pair in zip(picked['first'], picked['second']) for s in pair]
+    return dataset_rows(seeds, env_config)
+
+
+def dataset_rows(seeds, env_config: dict) -> list:
     return [{'messages': [{'role': 'user', 'content': '<placeholder>'}],
              'env_config': {'seed': s, **env_config}} for s in seeds]
+
+
+def needs_detour(grid, cell) -> bool:
+    """Every move toward G leads into a hole."""
+    return all(grid[r][c] == 'H' for r, c in (moved(grid, *cell, m)
+                                              for m in toward(grid, cell, find(grid, 'G'))))
 
 
 def detour_rows(n: int, env_config: dict, taken=(), first_seed: int = 1000):
@@ -100,14 +110,11 @@ def detour_rows(n: int, env_config: dict, taken=(), first_seed: int = 1000):
     none of the seeds `taken`."""
     seeds, seed = [], first_seed
     while len(seeds) < n:
-        grid = generate_random_map(seed=seed)
-        cell = find(grid, 'S')
-        ahead = [moved(grid, *cell, move) for move in goal_words(grid, cell)]
-        if seed not in taken and all(grid[r][c] == 'H' for r, c in ahead):
+        if seed not in taken and needs_detour(grid := generate_random_map(seed=seed),
+                                              find(grid, 'S')):
             seeds.append(seed)
         seed += 1
-    return [{'messages': [{'role': 'user', 'content': '<placeholder>'}],
-             'env_config': {'seed': s, **env_config}} for s in seeds]
+    return dataset_rows(seeds, env_config)
 
 
 def fork_moves(games) -> dict:
@@ -148,7 +155,7 @@ def losses(games) -> dict:
         if outcome is None:
             ahead = [moved(grid, *path[-2], m) for m in toward(grid, path[-2], find(grid, 'G'))]
             outcome = ('away from G' if path[-1] not in ahead else
-                       'detour' if all(grid[r][c] == 'H' for r, c in ahead) else 'fork')
+                       'detour' if needs_detour(grid, path[-2]) else 'fork')
         counts = steps.setdefault((game['step'], game.get('tag', '')), {})
         counts[outcome] = counts.get(outcome, 0) + 1
     return steps
