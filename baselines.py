@@ -16,7 +16,9 @@ half where the goal line's first word leads into the hole and half where its sec
 so that no word-order rule wins them and only the hole tells the moves apart. With --at_start
 the fork is the start itself (19% of maps): forks.jsonl, the default dataset, is
 `python baselines.py --forks 1024 --at_start --reason`. --detours K appends K maps whose start
-needs a detour (every move toward G leads into a hole; 4% of maps).
+needs a detour (every move toward G leads into a hole; 4% of maps). --name_detours: where the
+expert takes a way the goal line does not name, its reply names it too ('Up is a hole. Right is
+ice.').
 
 `python baselines.py --completions output/completions.jsonl` reads a run's training games
 instead: per step, at the forks its walks met, the moves into the hole (and of them, those into a
@@ -182,6 +184,8 @@ if __name__ == '__main__':
                         help='with --forks: maps whose start is the fork')
     parser.add_argument('--reason', action='store_true',
                         help='with --forks: rows whose replies say what lies toward G first')
+    parser.add_argument('--name_detours', action='store_true',
+                        help='with --reason: replies that also name a way the expert takes off the goal line')
     parser.add_argument('--coin_at_forks', type=float, nargs='?', const=0.5, default=0.0,
                         help='with --forks: rows whose expert steps into the hole at a fork with '
                              'this probability (alone: 0.5, a fair coin)')
@@ -192,6 +196,8 @@ if __name__ == '__main__':
     args = parser.parse_args()
     if args.detours and not args.forks:
         parser.error('--detours: only with --forks N')
+    if args.name_detours and not args.reason:
+        parser.error('--name_detours: only with --reason')
     if args.losses:
         for (step, tag), counts in sorted(losses(map(json.loads, open(args.losses))).items()):
             shares = ', '.join(f'{n} {kind}' for kind, n in sorted(counts.items()))
@@ -203,6 +209,7 @@ if __name__ == '__main__':
                   f"reply), {around} around it, {first} the goal line's first word")
     elif args.forks:
         config = {'observation': args.observation, **({'reason': True} if args.reason else {}),
+                  **({'name_detours': True} if args.name_detours else {}),
                   **({'coin_at_forks': args.coin_at_forks} if args.coin_at_forks else {})}
         rows = fork_rows(args.forks, config, args.at_start)
         rows += detour_rows(args.detours, config, {row['env_config']['seed'] for row in rows})

@@ -7,8 +7,9 @@ env_config keys: `size` (4), `p` (0.8: P(ice)), `seed` (None: a fresh map each r
 `observation` ('goal': the grid and where the goal lies; 'around': that and what lies each way;
 'position': the player's row and column instead, as ms-swift's plugin), `reason` (false; true:
 the reply, and the expert's, first says what lies each way toward the goal, 'Down is a hole, left
-is ice.', then the move), `coin_at_forks` (the expert steps into a fork's hole with this
-probability; true: 0.5).
+is ice.', then the move), `name_detours` (false; true, with reason: where the expert takes a way
+the goal line does not name, its reply names that one too: 'Down is a hole. Left is ice.'),
+`coin_at_forks` (the expert steps into a fork's hole with this probability; true: 0.5).
 """
 import random
 import re
@@ -46,12 +47,10 @@ def moved(grid: List[str], row: int, col: int, move: str):
 
 
 def shortest_path(grid: List[str], start=None) -> Optional[List[str]]:
-    """BFS to G around the holes, from S or `start` (row, col): the list of moves, or None when G
-    is unreachable."""
+    """BFS to G around the holes, from S or `start` (row, col): the moves; None if G is cut off."""
     size = len(grid)
     start = start or find(grid, 'S')
-    parent = {start: None}
-    queue = deque([start])
+    parent, queue = {start: None}, deque([start])
     while queue:
         r, c = queue.popleft()
         if grid[r][c] == 'G':
@@ -152,9 +151,8 @@ def format_reward(messages: Messages) -> float:
 def progress_reward(messages: Messages) -> float:
     """How much nearer G the walk ended, as a share of the distance it began at: 1 at G, 0 for no
     net progress (wandering, bumping an edge, unreadable replies), negative further away.
-    Distances are Manhattan; a hole ends the walk where it is. The walk is replayed from the first
-    board and the replies, so it needs nothing but the messages. Why it is the default rather than
-    `format`: docs/notebook.md, "Why seed 1 wandered"."""
+    Distances are Manhattan; a hole ends the walk there. It replays the walk from the first board
+    and the replies (the messages alone). Why not `format`: notebook.md, "Why seed 1 wandered"."""
     # BEGIN SOLUTION exercise 1: the progress reward
     board = next(m['content'] for m in messages if m['role'] == 'user').splitlines()
     grid = [''.join(cells) for cells in map(str.split, board)
@@ -200,9 +198,8 @@ class FrozenLakeEnv(Env):
                 alpha=0.8)
         ax.set(xlim=(-0.5, len(grid) - 0.5), ylim=(len(grid) - 0.5, -0.5), xticks=[], yticks=[],
                aspect='equal')
-        end = rollout_infos.get('stop_reason')
-        if steps and steps[-1].get('status') in ('goal', 'hole'):
-            end = steps[-1]['status']
+        last = steps[-1].get('status') if steps else None
+        end = last if last in ('goal', 'hole') else rollout_infos.get('stop_reason')
         ax.set_title(f'{end}, {len(steps)} replies', fontsize=9)
 
     def __init__(self, env_config):
@@ -212,6 +209,7 @@ class FrozenLakeEnv(Env):
         seed = env_config.get('seed')
         self.seed = int(seed) if seed is not None else None
         self.reason = bool(env_config.get('reason', False))
+        self.name_detours = bool(env_config.get('name_detours', False))
         self.observation = env_config.get('observation', 'goal')
         coin = env_config.get('coin_at_forks', False)  # true: a fair coin; a number: P(the hole)
         self.coin_at_forks = 0.5 if coin is True else float(coin)
@@ -267,11 +265,13 @@ class FrozenLakeEnv(Env):
         hole = fork_hole(*at)
         if hole and self.coin_at_forks and self.coin.random() < self.coin_at_forks:
             move = hole  # a fork decided by a coin: the supervised phase leaves it to the reward
-        move = f'<action>{move}</action>'
         if not self.reason:
-            return move
+            return f'<action>{move}</action>'
         where = goal_hint(*at) + ' ' if self.observation == 'position' else ''  # it shows none
-        return f'{where}{toward_goal(*at)} {move}'
+        said = toward_goal(*at)
+        if self.name_detours and move not in _WORD.findall(goal_hint(*at)):
+            said += f' {lies(*at, [move]).capitalize()}.'  # a detour (or a longer way)
+        return f'{where}{said} <action>{move}</action>'
 
     async def close(self):
         pass

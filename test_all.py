@@ -1412,6 +1412,29 @@ def test_the_fork_dataset_balances_the_word_the_hole_is_in():
             'a detour start: every way the goal line names is a hole'
 
 
+def test_a_reply_that_names_detours_names_the_way_the_expert_takes():
+    """env_config name_detours: where the expert takes a way the goal line does not name (a detour,
+    or a longer way round), its reply also says what lies that way; elsewhere it is unchanged."""
+    import baselines
+    rows = baselines.detour_rows(4, {'observation': 'around', 'reason': True})
+    rows += baselines.fork_rows(16, {'observation': 'around', 'reason': True}, at_start=True)
+    named = 0
+    for row in rows:
+        replies = []
+        for name in (False, True):
+            env = frozen_lake.FrozenLakeEnv({**row['env_config'], 'name_detours': name})
+            asyncio.run(env.reset(RolloutInferRequest([], row)))
+            replies.append(env.expert_reply())
+        move, tag = frozen_lake.parse_action(replies[0]), replies[0].split()[-1]
+        if move in baselines.goal_words(env.grid, (env.row, env.col)):
+            assert replies[1] == replies[0], f'the goal line names the way taken: {replies}'
+        else:
+            named += 1
+            assert replies[1] == replies[0].replace(tag, f'{move.capitalize()} is ice. {tag}'), \
+                f'a way the goal line does not name: the reply names it, got {replies}'
+    assert named > 4, 'the detour starts, and a fork start with the longer way round (seed 1031)'
+
+
 @pytest.mark.parametrize('coin, share', [(True, 0.5), (0.25, 0.25), (False, 0.0)])
 def test_the_experts_coin_steps_into_a_forks_hole_as_often_as_it_says(coin, share):
     import baselines
