@@ -2918,6 +2918,7 @@ def run_train(tmp_path, model_dir, *flags, timeout=600):
            '--learning_rate', '1e-3', *flags]
     run = subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, timeout=timeout)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert 'Traceback' not in run.stderr, f'a clean exit, vLLM shut down too: {run.stderr[-3000:]}'
     return run.stdout + run.stderr
 
 
@@ -3831,6 +3832,7 @@ def test_torchrun_training_end_to_end_and_resume(tmp_path, tiny_model_dir, engin
     for extra in (['--max_steps', '2'], ['--max_steps', '3', '--resume', 'true']):
         run = subprocess.run(base + extra, cwd=HERE, capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+        assert 'Traceback' not in run.stderr, f'a clean exit on each process: {run.stderr[-3000:]}'
     # one engine each
     assert run.stdout.count('resumed from') == 1 and run.stdout.count(f'engine: {engine}') == 2
     steps = step_records(tmp_path / 'out')

@@ -14,7 +14,6 @@ The flags and their checks are in config.py, the task's own rules in its env cla
 LoRA, torchrun and GPUs: docs/speed-and-scaling.md. Left out: learning-rate decay, FSDP.
 """
 import dataclasses
-import gc
 import os
 import random
 import sys
@@ -276,6 +275,6 @@ if __name__ == '__main__':
         main(parse_args())
     except UserError as e:
         sys.exit(f'error: {e}')
-    gc.collect()  # vLLM's engine, unreferenced now, shuts down (it may leave the process group)
-    if dist.is_initialized():  # on success only: NCCL's would hang on a rank that failed
-        dist.destroy_process_group()  # else gloo's threads can abort the exit (pytorch#190489)
+    if dist.is_initialized() and 'vllm' not in sys.modules:  # (vLLM's exit destroys the group)
+        dist.destroy_process_group()  # else gloo can abort the exit (pytorch#190489); not on a
+        # failure: NCCL's destroy would hang on a rank that failed
