@@ -51,6 +51,9 @@ class Engine(ABC):
     def wake_up(self) -> None:
         """Undo sleep."""
 
+    def close(self) -> None:
+        """Shut down at the end of a run (vLLM: its engine, and the process groups it joined)."""
+
 
 class HFEngine(Engine):
     """transformers' `generate` on the trainer's own model: always in sync, slow on long batches."""
@@ -146,6 +149,9 @@ class VLLMEngine(Engine):
         if self.cuda:
             self.llm.wake_up()
 
+    def close(self):  # vLLM's own teardown, now: at exit it would meet groups already destroyed
+        self.llm.llm_engine.engine_core.shutdown()
+
 
 def make_engine(choice: str, path: str, model, tokenizer, dtype='float32', **vllm_kwargs) -> Engine:
     """'vllm', 'hf', or 'auto' (vLLM when it can start, else transformers, saying why)."""
@@ -201,3 +207,6 @@ class Colocated:
 
     def wake_up(self):
         self.engine.wake_up()
+
+    def close(self):
+        self.engine.close()

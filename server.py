@@ -253,7 +253,7 @@ class RolloutClient:
     def sleep(self):
         pass
 
-    wake_up = sleep
+    wake_up = close = sleep  # (the server keeps its engine)
 
 
 def serve(args):

@@ -239,6 +239,7 @@ def main(args: Args):
     warm = 0 if args.resume or args.eval_only else args.warm_start_steps  # steps -warm + 1, ..., 0
     before = evaluation(log, source, task, args, start - warm, 'before')
     if args.eval_only:
+        source.close()
         return before
     if warm:  # ---- 0. a warm start on the env's expert; GRPO's KL anchor where it ends ----
         ref_model = warm_phase(model, source, task, args, tokenizer, optimizer, log, rank, world)
@@ -266,6 +267,7 @@ def main(args: Args):
         if world > 1:
             dist.barrier()  # a resume finds the checkpoint whole on every process
     after = evaluation(log, source, task, args, args.max_steps, 'after')
+    source.close()  # (vLLM's engine shut down, and with it the process group it shares)
     log.finish(before, after, task.env_cls)
     return after
 
@@ -275,6 +277,5 @@ if __name__ == '__main__':
         main(parse_args())
     except UserError as e:
         sys.exit(f'error: {e}')
-    if dist.is_initialized() and 'vllm' not in sys.modules:  # (vLLM's exit destroys the group)
-        dist.destroy_process_group()  # else gloo can abort the exit (pytorch#190489); not on a
-        # failure: NCCL's destroy would hang on a rank that failed
+    if dist.is_initialized():  # on success (NCCL's would hang on a rank that failed): else gloo
+        dist.destroy_process_group()  # can abort the exit (pytorch#190489)
