@@ -185,7 +185,8 @@ if __name__ == '__main__':
     parser.add_argument('--reason', action='store_true',
                         help='with --forks: rows whose replies say what lies toward G first')
     parser.add_argument('--name_detours', action='store_true',
-                        help='with --reason: replies that also name a way the expert takes off the goal line')
+                        help='with --reason: replies that also name a way the expert takes off '
+                             'the goal line')
     parser.add_argument('--coin_at_forks', type=float, nargs='?', const=0.5, default=0.0,
                         help='with --forks: rows whose expert steps into the hole at a fork with '
                              'this probability (alone: 0.5, a fair coin)')
