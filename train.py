@@ -142,6 +142,7 @@ def start_processes(args: Args):
     """(rank, world size). Under torchrun (WORLD_SIZE set), join its process group: gloo on CPU,
     NCCL on CUDA. Each process plays its share of each step's rows with its own engine."""
     world = int(os.environ.get('WORLD_SIZE', 1))
+    torch.manual_seed(args.seed + int(os.environ.get('RANK', 0)))  # the hf engine's sampling
     if world == 1:
         return 0, 1
     if args.rows_per_step % world:
@@ -231,7 +232,6 @@ def warm_phase(model, source, task, args, tokenizer, optimizer, log, rank, world
 def main(args: Args):
     task = check_args(args)  # every input check, before a model loads
     rank, world = start_processes(args)
-    torch.manual_seed(args.seed + rank)  # the transformers engine's sampling; vLLM takes --seed
     tokenizer, model, ref_model, optimizer, start = load_models(args, rank)
     source = make_rollouts(args, model, tokenizer, rank)
     log = RunLog(args.output_dir, tokenizer, task.reward_names + ['gym'] * args.use_gym_env,
@@ -249,8 +249,7 @@ def main(args: Args):
         t1 = time.time()  # ---- 2. rewards and advantages ----
         scores = score_step(trajectories, task, args)
         source.sleep()  # ---- 3. update, on the trajectories that train ----
-        for group in optimizer.param_groups:
-            group['lr'] = learning_rate(args, step)
+        optimizer.param_groups[0]['lr'] = learning_rate(args, step)  # (load_models: one group)
         stats = train_step(model, ref_model, optimizer, trajectories, scores, args,
                            tokenizer.pad_token_id)
         source.wake_up()
