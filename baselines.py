@@ -121,8 +121,9 @@ def detour_rows(n: int, env_config: dict, taken=(), first_seed: int = 1000):
 
 def fork_moves(games) -> dict:
     """{step: [into the hole, around it, the goal line's first word, into a hole the reply had just
-    named]} over the moves made at forks by the games of a completions.jsonl (each game's map and
-    moves from its rollout_infos, its replies from its messages)."""
+    named, then at detours: into a hole, onto ice]} over the moves made at forks (and at cells that
+    need a detour) by the games of a completions.jsonl (each game's map and moves from its
+    rollout_infos, its replies from its messages)."""
     steps = {}
     for game in games:
         grid = game['rollout_infos']['reset_info']['grid']
@@ -130,15 +131,18 @@ def fork_moves(games) -> dict:
         replies = [m['content'] for m in game.get('messages', []) if m['role'] == 'assistant']
         for k, info in enumerate(game['rollout_infos']['step_infos']):
             kind, move = fork(grid, cell), info.get('action')
+            counts, to = steps.setdefault(game['step'], [0] * 6), tuple(info.get('position', cell))
+            if move and not kind and needs_detour(grid, cell) and to != cell:
+                counts[4 if grid[to[0]][to[1]] == 'H' else 5] += 1
             if kind and move:
-                words, counts = goal_words(grid, cell), steps.setdefault(game['step'], [0] * 4)
+                words = goal_words(grid, cell)
                 hole = words[0] if kind == 'first' else words[1]
                 counts[0] += move == hole
                 counts[1] += move in words and move != hole
                 counts[2] += move == words[0]
                 said = replies[k] if k < len(replies) else ''  # FrozenLake: a reply a step
                 counts[3] += move == hole and bool(re.search(rf'\b{move} is a hole', said, re.I))
-            cell = tuple(info.get('position', cell))
+            cell = to
     return steps
 
 
@@ -204,10 +208,11 @@ if __name__ == '__main__':
             shares = ', '.join(f'{n} {kind}' for kind, n in sorted(counts.items()))
             print(f'step {step} ({tag}): {shares}')
     elif args.completions:
-        for step, (hole, around, first, named) in sorted(
+        for step, (hole, around, first, named, fell, went) in sorted(
                 fork_moves(map(json.loads, open(args.completions))).items()):
             print(f'step {step}: at forks, {hole} moves into the hole ({named} named a hole by its '
-                  f"reply), {around} around it, {first} the goal line's first word")
+                  f"reply), {around} around it, {first} the goal line's first word; at detours, "
+                  f'{fell} into a hole, {went} onto ice')
     elif args.forks:
         config = {'observation': args.observation, **({'reason': True} if args.reason else {}),
                   **({'name_detours': True} if args.name_detours else {}),

@@ -48,7 +48,6 @@ def moved(grid: List[str], row: int, col: int, move: str):
 
 def shortest_path(grid: List[str], start=None) -> Optional[List[str]]:
     """BFS to G around the holes, from S or `start` (row, col): the moves; None if G is cut off."""
-    size = len(grid)
     start = start or find(grid, 'S')
     parent, queue = {start: None}, deque([start])
     while queue:
@@ -59,10 +58,9 @@ def shortest_path(grid: List[str], start=None) -> Optional[List[str]]:
                 cell, move = parent[cell]
                 path.append(move)
             return path[::-1]
-        for move, (dr, dc) in MOVES.items():
-            nxt = (r + dr, c + dc)
-            inside = 0 <= nxt[0] < size and 0 <= nxt[1] < size
-            if inside and nxt not in parent and grid[nxt[0]][nxt[1]] != 'H':
+        for move in MOVES:
+            nxt = moved(grid, r, c, move)  # off the grid: (r, c) itself, already visited
+            if nxt not in parent and grid[nxt[0]][nxt[1]] != 'H':
                 parent[nxt] = ((r, c), move)
                 queue.append(nxt)
     return None
@@ -95,8 +93,8 @@ def generate_random_map(size: int = 4, p: float = 0.8, seed: Optional[int] = Non
     while True:
         cells = [['F' if rng.random() < p else 'H' for _ in range(size)] for _ in range(size)]
         start, goal = rng.sample(range(size * size), 2)  # two distinct cells
-        cells[start // size][start % size] = 'S'
-        cells[goal // size][goal % size] = 'G'
+        for cell, name in ((start, 'S'), (goal, 'G')):
+            cells[cell // size][cell % size] = name
         grid = [''.join(row) for row in cells]
         if shortest_path(grid) is not None:
             return grid
@@ -148,11 +146,11 @@ def format_reward(messages: Messages) -> float:
     return sum(parse_action(r) is not None for r in replies) / max(len(replies), 1)
 
 
-def progress_reward(messages: Messages) -> float:
-    """How much nearer G the walk ended, as a share of the distance it began at: 1 at G, 0 for no
-    net progress (wandering, bumping an edge, unreadable replies), negative further away.
-    Distances are Manhattan; a hole ends the walk there. It replays the walk from the first board
-    and the replies (the messages alone). Why not `format`: notebook.md, "Why seed 1 wandered"."""
+def progress_reward(messages: Messages, falls_gain: bool = True) -> float:
+    """How much nearer G the walk ended, as a share of the (Manhattan) distance it began at: 1 at
+    G, 0 for no net progress (wandering, bumping an edge, unreadable replies), negative further
+    away; replayed from the first board and the replies. A hole ends the walk (with `falls_gain`
+    false keeping none of its gain: `safe_progress`). Not `format`: notebook.md, "Why seed 1"."""
     # BEGIN SOLUTION exercise 1: the progress reward
     board = next(m['content'] for m in messages if m['role'] == 'user').splitlines()
     grid = [''.join(cells) for cells in map(str.split, board)
@@ -165,7 +163,8 @@ def progress_reward(messages: Messages) -> float:
             row, col = moved(grid, row, col, move)
             if grid[row][col] in 'HG':
                 break
-    return (start - abs(goal[0] - row) - abs(goal[1] - col)) / start
+    progress = (start - abs(goal[0] - row) - abs(goal[1] - col)) / start
+    return progress if falls_gain or grid[row][col] != 'H' else min(progress, 0.0)
     # END SOLUTION
 
 
@@ -281,3 +280,5 @@ envs['frozen_lake'] = FrozenLakeEnv
 reward_funcs['format'] = format_reward
 reward_funcs['progress'] = progress_reward
 progress_reward.per_turn = True  # a potential of the cell reached: GiGPO may split it by turn
+reward_funcs['safe_progress'] = lambda messages: progress_reward(messages, falls_gain=False)
+reward_funcs['safe_progress'].per_turn = True

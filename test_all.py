@@ -208,7 +208,7 @@ def test_envs():
 
 # ---------------------------------------------------------- exercise 1: frozen_lake.progress_reward
 # Grades progress_reward: the share of the way to G a replayed walk made, a hole ending it.
-# EXERCISES.md's grading command selects it with -k "ex1_" (1 test).
+# EXERCISES.md's grading command selects it with -k "ex1_" (2 tests).
 
 def test_ex1_progress_reward_replays_the_walk():
     board = {'role': 'user', 'content': 'P F F F\nF H F F\nF F F G\nF F F F\n'
@@ -234,6 +234,24 @@ def test_ex1_progress_reward_replays_the_walk():
             f"progress_reward: read the env's own first board ({observation} observation) too"
     assert reward_funcs['progress'] is frozen_lake.progress_reward, \
         "reward_funcs['progress'] must stay frozen_lake.progress_reward"
+
+
+def test_ex1_a_fall_keeps_none_of_its_gain():
+    def walk(board, *replies):
+        return [{'role': 'system', 'content': 'x'}, {'role': 'user', 'content': board}] + [
+            {'role': 'assistant', 'content': r} for r in replies]
+    board = 'P F F F\nF H F F\nF F F G\nF F F F\n'
+    near = walk(board, 'right', 'down')
+    away = walk('F F F F\nF F P H\nG F F F\nF F F F\n', 'right')
+    for replies, score in ((('right', 'right', 'right', 'down', 'down'), 1.0), (('right',), 0.2)):
+        assert frozen_lake.progress_reward(walk(board, *replies), falls_gain=False) == pytest.approx(score), \
+            'progress_reward(falls_gain=False): a walk that ends on G or ice scores as progress'
+    assert frozen_lake.progress_reward(near, falls_gain=False) == 0.0, \
+        'progress_reward(falls_gain=False): a walk that ends in a hole keeps none of its gain: 0'
+    assert frozen_lake.progress_reward(away, falls_gain=False) == pytest.approx(-1 / 3), \
+        'progress_reward(falls_gain=False): a fall keeps its loss (3 -> 4 away: -1/3)'
+    assert reward_funcs['safe_progress'](near) == 0.0, \
+        "reward_funcs['safe_progress'] is progress_reward with falls_gain=False"
 
 
 # ---------------------------------------------------------------- exercise 2: grpo.group_advantages
@@ -1523,7 +1541,8 @@ def test_the_warm_start_plays_each_picked_row_n_times(monkeypatch, world):
 def test_the_fork_moves_of_a_run_are_counted_per_step(tmp_path):
     """baselines.py --completions: at S (G 3 down and 3 right; right is a hole) two walks step into
     the hole, one of them having named it ('right is a hole'), one goes down (the first word,
-    around it), one bumps the edge; off a fork, nothing."""
+    around it), one bumps the edge; off a fork, nothing. At a cell that needs a detour (right and
+    down holes) one walk steps in, one goes up onto ice, one reply moves nowhere."""
     grid = ['SHFF', 'FFFF', 'FFFF', 'FFFG']
     walks = [[{'action': 'right', 'position': [0, 1]}], [{'action': 'right', 'position': [0, 1]}],
              [{'action': 'down', 'position': [1, 0]}, {'action': 'right', 'position': [1, 1]}],
@@ -1533,15 +1552,21 @@ def test_the_fork_moves_of_a_run_are_counted_per_step(tmp_path):
     games = [{'step': 5, 'messages': [{'role': 'assistant', 'content': reply}],
               'rollout_infos': {'reset_info': {'grid': grid}, 'step_infos': w}}
              for w, reply in zip(walks, said)]
+    games += [{'step': 5, 'rollout_infos': {'reset_info': {'grid': ['FFFF', 'FSHF', 'FHFF', 'FFFG']},
+                                            'step_infos': [walk]}}  # a detour: right, down holes
+              for walk in ({'action': 'right', 'position': [1, 2]},
+                           {'action': 'up', 'position': [0, 1]}, {'action': 'left'})]
     (tmp_path / 'completions.jsonl').write_text(''.join(json.dumps(g) + '\n' for g in games))
     import baselines
-    assert baselines.fork_moves(games) == {5: [2, 1, 1, 1]}, \
-        'counts per step: into the hole, around it, first word, into a hole the reply named'
+    assert baselines.fork_moves(games) == {5: [2, 1, 1, 1, 1, 1]}, \
+        'counts per step: into the hole, around it, first word, into a hole the reply named; ' \
+        'at the detour: into a hole, onto ice (an unreadable reply: neither)'
     run = subprocess.run([sys.executable, 'baselines.py', '--completions',
                           str(tmp_path / 'completions.jsonl')],
                          cwd=HERE, capture_output=True, text=True, timeout=120)
     assert run.stdout == ("step 5: at forks, 2 moves into the hole (1 named a hole by its reply), "
-                          "1 around it, 1 the goal line's first word\n")
+                          "1 around it, 1 the goal line's first word; at detours, 1 into a hole, "
+                          "1 onto ice\n")
 
 
 def test_the_lost_games_of_an_evaluation_are_sorted_by_where_they_fell(tmp_path):
