@@ -22,7 +22,8 @@ ice.').
 
 `python baselines.py --completions output/completions.jsonl` reads a run's training games
 instead: per step, at the forks its walks met, the moves into the hole (and of them, those into a
-hole the reply had just named), around it, and the goal line's first word (docs/results.md).
+hole the reply had just named), around it, and the goal line's first word; at the cells that
+need a detour, the moves into a hole and onto ice (docs/results.md).
 `python baselines.py --losses output/evals.jsonl` sorts a run's held-out games: won, unfinished,
 or where the walk fell in: at a fork, where a detour was needed, or away from G.
 """
@@ -131,11 +132,11 @@ def fork_moves(games) -> dict:
         replies = [m['content'] for m in game.get('messages', []) if m['role'] == 'assistant']
         for k, info in enumerate(game['rollout_infos']['step_infos']):
             kind, move = fork(grid, cell), info.get('action')
-            counts, to = steps.setdefault(game['step'], [0] * 6), tuple(info.get('position', cell))
-            if move and not kind and needs_detour(grid, cell) and to != cell:
-                counts[4 if grid[to[0]][to[1]] == 'H' else 5] += 1
+            to = tuple(info.get('position', cell))
+            if move and not kind and to != cell and needs_detour(grid, cell):  # a bump: neither
+                steps.setdefault(game['step'], [0] * 6)[4 if grid[to[0]][to[1]] == 'H' else 5] += 1
             if kind and move:
-                words = goal_words(grid, cell)
+                words, counts = goal_words(grid, cell), steps.setdefault(game['step'], [0] * 6)
                 hole = words[0] if kind == 'first' else words[1]
                 counts[0] += move == hole
                 counts[1] += move in words and move != hole

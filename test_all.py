@@ -244,7 +244,8 @@ def test_ex1_a_fall_keeps_none_of_its_gain():
     near = walk(board, 'right', 'down')
     away = walk('F F F F\nF F P H\nG F F F\nF F F F\n', 'right')
     for replies, score in ((('right', 'right', 'right', 'down', 'down'), 1.0), (('right',), 0.2)):
-        assert frozen_lake.progress_reward(walk(board, *replies), falls_gain=False) == pytest.approx(score), \
+        assert frozen_lake.progress_reward(walk(board, *replies), falls_gain=False) == \
+               pytest.approx(score), \
             'progress_reward(falls_gain=False): a walk that ends on G or ice scores as progress'
     assert frozen_lake.progress_reward(near, falls_gain=False) == 0.0, \
         'progress_reward(falls_gain=False): a walk that ends in a hole keeps none of its gain: 0'
@@ -252,6 +253,8 @@ def test_ex1_a_fall_keeps_none_of_its_gain():
         'progress_reward(falls_gain=False): a fall keeps its loss (3 -> 4 away: -1/3)'
     assert reward_funcs['safe_progress'](near) == 0.0, \
         "reward_funcs['safe_progress'] is progress_reward with falls_gain=False"
+    assert getattr(reward_funcs['safe_progress'], 'per_turn', False), \
+        'safe_progress is a potential of the cell reached, as progress: mark it per_turn'
 
 
 # ---------------------------------------------------------------- exercise 2: grpo.group_advantages
@@ -1542,7 +1545,7 @@ def test_the_fork_moves_of_a_run_are_counted_per_step(tmp_path):
     """baselines.py --completions: at S (G 3 down and 3 right; right is a hole) two walks step into
     the hole, one of them having named it ('right is a hole'), one goes down (the first word,
     around it), one bumps the edge; off a fork, nothing. At a cell that needs a detour (right and
-    down holes) one walk steps in, one goes up onto ice, one reply moves nowhere."""
+    down holes) two walks step in, one goes up onto ice, one reply is unreadable."""
     grid = ['SHFF', 'FFFF', 'FFFF', 'FFFG']
     walks = [[{'action': 'right', 'position': [0, 1]}], [{'action': 'right', 'position': [0, 1]}],
              [{'action': 'down', 'position': [1, 0]}, {'action': 'right', 'position': [1, 1]}],
@@ -1552,20 +1555,21 @@ def test_the_fork_moves_of_a_run_are_counted_per_step(tmp_path):
     games = [{'step': 5, 'messages': [{'role': 'assistant', 'content': reply}],
               'rollout_infos': {'reset_info': {'grid': grid}, 'step_infos': w}}
              for w, reply in zip(walks, said)]
-    games += [{'step': 5, 'rollout_infos': {'reset_info': {'grid': ['FFFF', 'FSHF', 'FHFF', 'FFFG']},
-                                            'step_infos': [walk]}}  # a detour: right, down holes
-              for walk in ({'action': 'right', 'position': [1, 2]},
-                           {'action': 'up', 'position': [0, 1]}, {'action': 'left'})]
+    detour = ['FFFF', 'FSHF', 'FHFF', 'FFFG']  # at S: right and down are holes
+    games += [{'step': 5, 'rollout_infos': {'reset_info': {'grid': detour}, 'step_infos': [walk]}}
+              for walk in ({'action': 'right', 'position': [1, 2]}, {'action': 'down',
+                           'position': [2, 1]}, {'action': 'up', 'position': [0, 1]},
+                           {'action': None, 'status': 'invalid'})]
     (tmp_path / 'completions.jsonl').write_text(''.join(json.dumps(g) + '\n' for g in games))
     import baselines
-    assert baselines.fork_moves(games) == {5: [2, 1, 1, 1, 1, 1]}, \
+    assert baselines.fork_moves(games) == {5: [2, 1, 1, 1, 2, 1]}, \
         'counts per step: into the hole, around it, first word, into a hole the reply named; ' \
         'at the detour: into a hole, onto ice (an unreadable reply: neither)'
     run = subprocess.run([sys.executable, 'baselines.py', '--completions',
                           str(tmp_path / 'completions.jsonl')],
                          cwd=HERE, capture_output=True, text=True, timeout=120)
     assert run.stdout == ("step 5: at forks, 2 moves into the hole (1 named a hole by its reply), "
-                          "1 around it, 1 the goal line's first word; at detours, 1 into a hole, "
+                          "1 around it, 1 the goal line's first word; at detours, 2 into a hole, "
                           "1 onto ice\n")
 
 
