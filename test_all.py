@@ -210,12 +210,17 @@ def test_envs():
 # Grades progress_reward: the share of the way to G a replayed walk made, a hole ending it.
 # EXERCISES.md's grading command selects it with -k "ex1_" (2 tests).
 
+def played(board: str, *replies):
+    """The messages of a FrozenLake game: a system prompt, the first board, then the replies."""
+    return [{'role': 'system', 'content': 'x'}, {'role': 'user', 'content': board}] + [
+        {'role': 'assistant', 'content': r} for r in replies]
+
+
 def test_ex1_progress_reward_replays_the_walk():
     board = {'role': 'user', 'content': 'P F F F\nF H F F\nF F F G\nF F F F\n'
                                         'The goal is 2 down and 3 right of you.'}
     def walk(*replies, first=board):
-        return frozen_lake.progress_reward([{'role': 'system', 'content': 'x'}, first] + [
-            {'role': 'assistant', 'content': r} for r in replies])
+        return frozen_lake.progress_reward(played(first['content'], *replies))
     assert walk('<action>right</action>', 'right', 'down', 'I go down.', 'right') == 1.0, \
         'progress_reward: a walk that ends on G has come the whole way: 1'
     assert walk('up', 'left', 'no idea') == 0.0, \
@@ -237,14 +242,11 @@ def test_ex1_progress_reward_replays_the_walk():
 
 
 def test_ex1_a_fall_keeps_none_of_its_gain():
-    def walk(board, *replies):
-        return [{'role': 'system', 'content': 'x'}, {'role': 'user', 'content': board}] + [
-            {'role': 'assistant', 'content': r} for r in replies]
     board = 'P F F F\nF H F F\nF F F G\nF F F F\n'
-    near = walk(board, 'right', 'down')
-    away = walk('F F F F\nF F P H\nG F F F\nF F F F\n', 'right')
+    near = played(board, 'right', 'down')
+    away = played('F F F F\nF F P H\nG F F F\nF F F F\n', 'right')
     for replies, score in ((('right', 'right', 'right', 'down', 'down'), 1.0), (('right',), 0.2)):
-        assert frozen_lake.progress_reward(walk(board, *replies), falls_gain=False) == \
+        assert frozen_lake.progress_reward(played(board, *replies), falls_gain=False) == \
                pytest.approx(score), \
             'progress_reward(falls_gain=False): a walk that ends on G or ice scores as progress'
     assert frozen_lake.progress_reward(near, falls_gain=False) == 0.0, \
