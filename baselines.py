@@ -14,11 +14,11 @@ Each policy plays every map once, at most --max_turns moves, with FrozenLake's o
 expert path meets a fork (a cell where both moves toward G are open and one of them is a hole),
 half where the goal line's first word leads into the hole and half where its second word does,
 so that no word-order rule wins them and only the hole tells the moves apart. With --at_start
-the fork is the start itself (19% of maps): forks.jsonl, the default dataset, is
-`python baselines.py --forks 1024 --at_start --reason`. --detours K appends K maps whose start
-needs a detour (every move toward G leads into a hole; 4% of maps). --name_detours: where the
-expert takes a way the goal line does not name, its reply names it too ('Up is a hole. Right is
-ice.').
+the fork is the start itself (19% of maps). --detours K appends K maps whose start needs a
+detour (every move toward G leads into a hole; 4% of maps). --name_detours: where the expert takes
+a way the goal line does not name, its reply names it too ('Up is a hole. Right is ice.').
+forks.jsonl, the default dataset, is `python baselines.py --forks 1024 --at_start --reason
+--coin_at_forks 0.25 --detours 256 --name_detours`.
 
 `python baselines.py --completions output/completions.jsonl` reads a run's training games
 instead: per step, at the forks its walks met, the moves into the hole (and of them, those into a

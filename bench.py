@@ -49,8 +49,10 @@ if cli.part == 'gpu':  # before anything loads: train.py does the work, a proces
         out = tempfile.mkdtemp(prefix=f'gpu-{tuner}-{engine}-')
         command = [sys.executable, 'train.py', '--env', 'frozen_lake', '--engine', engine,
                    '--device', 'cuda', '--max_steps', '3', '--eval_size', '0',  # GRPO alone:
-                   '--dataset', 'data.jsonl', '--warm_start_steps', '0',
-                   '--max_completion_length', '16', '--torch_dtype', dtype,
+                   '--dataset', 'data.jsonl', '--warm_start_steps', '0', '--rows_per_step', '4',
+                   '--max_completion_length', '16', '--temperature', '0.8', '--beta', '0',
+                   '--reward_funcs', 'progress', '--reward_weights', '0.5', '1',
+                   '--torch_dtype', dtype,
                    '--tuner_type', tuner, '--output_dir', out]
         command += ['--model', cli.model] if cli.model else []
         t0 = time.time()
@@ -120,7 +122,8 @@ if cli.part == 'openenv':  # the server in its own venv; train.py runs in proces
             t0 = time.time()
             run = subprocess.run([sys.executable, 'train.py', '--dataset', f.name, '--max_steps',
                                   '2', '--eval_size', '0', '--warm_start_steps', '0',
-                                  '--max_completion_length', '16',
+                                  '--max_completion_length', '16', '--rows_per_step', '4',
+                                  '--temperature', '0.8', '--beta', '0',  # not the recipe's
                                   '--reward_funcs',  # none given: the env's reward alone
                                   '--max_turns', '1',  # one reply a game: the same work both ways
                                   '--output_dir', out, '--save_only_model', 'true', *flags],

@@ -57,11 +57,11 @@ class Args:
     rows_per_step: int = flag(4, 'dataset rows per optimizer step')
     train_dataloader_shuffle: bool = flag(True, 'each step random rows (false: the next in order)')
     reward_funcs: Optional[List[str]] = flag(None, 'extra reward columns (names the env files '
-                                             "register); not given: the env's own "
-                                             "default_reward_funcs (FrozenLakeEnv's: progress)")
+                                             "register); not given: the env's own default_"
+                                             "reward_funcs (FrozenLakeEnv's: safe_progress)")
     reward_weights: Optional[List[float]] = flag(None, 'one weight per column, the gym reward '
                                                  "last; not given: the env's own (FrozenLakeEnv's: "
-                                                 'progress 0.5, gym 1), else all 1')
+                                                 'safe_progress 0.5, gym 1), else all 1')
     loss_type: str = flag('bnpo', "normaliser: bnpo (the batch's tokens), dapo (the same, overlong-"
                           "filtered too), grpo (per trajectory, ms-swift's default), dr_grpo")
     advantage_estimator: str = flag('grpo', 'grpo (group mean baseline), rloo (leave-one-out), or '

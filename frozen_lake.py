@@ -9,8 +9,7 @@ env_config keys: `size` (4), `p` (0.8: P(ice)), `seed` (None: a fresh map each r
 the reply, and the expert's, first says what lies each way toward the goal, 'Down is a hole, left
 is ice.', then the move), `name_detours` (false; true, with reason: where the expert takes a way
 the goal line does not name, its reply names that one too: 'Down is a hole. Left is ice.'),
-`coin_at_forks` (the expert steps into a fork's hole with this probability; true: 0.5).
-"""
+`coin_at_forks` (the expert steps into a fork's hole with this probability; true: 0.5)."""
 import random
 import re
 from collections import deque
@@ -169,11 +168,12 @@ def progress_reward(messages: Messages, falls_gain: bool = True) -> float:
 
 
 class FrozenLakeEnv(Env):
-    default_reward_funcs = {'progress': 0.5}  # what `python train.py --env frozen_lake` trains with
-    train_defaults = {  # and its recipe (docs/notebook.md, "Teach it the forks"): 12 supervised
-        # steps on fork maps, the expert saying what lies toward G, at 5x the RL rate; then GRPO
+    default_reward_funcs = {'safe_progress': 0.5}  # what `train.py --env frozen_lake` trains with
+    train_defaults = {  # and its recipe (docs/results.md, "The default run"): 12 supervised
+        # steps, 4 games a map, the expert's coin at a quarter of forks; 10 GRPO steps of 16 maps
         'dataset': 'forks.jsonl', 'warm_start_steps': 12, 'warm_start_learning_rate': 1e-4,
-        'max_completion_length': 24, 'max_steps': 8}
+        'warm_start_generations': 4, 'temperature': 1.0, 'beta': 0.1, 'rows_per_step': 16,
+        'max_completion_length': 24, 'max_steps': 10, 'eval_steps': 10}
     eval_seed_base, success_reward = EVAL_SEED_BASE, 1.0  # held-out maps; a win: reaching G
 
     @classmethod

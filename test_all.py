@@ -1435,6 +1435,17 @@ def test_the_fork_dataset_balances_the_word_the_hole_is_in():
             'a detour start: every way the goal line names is a hole'
 
 
+def test_forks_jsonl_is_what_its_command_writes():
+    """The default dataset is reproducible: baselines.py's docstring gives its command."""
+    import baselines
+    command = re.search(r'forks\.jsonl, the default dataset, is `python baselines\.py ([^`]*)`',
+                        ' '.join(baselines.__doc__.split())).group(1)
+    run = subprocess.run([sys.executable, 'baselines.py', *command.split()], cwd=HERE,
+                         capture_output=True, text=True, timeout=60)
+    assert run.stdout == open(os.path.join(HERE, 'forks.jsonl')).read(), \
+        f'forks.jsonl is not what `python baselines.py {command}` writes'
+
+
 def test_a_reply_that_names_detours_names_the_way_the_expert_takes():
     """env_config name_detours: where the expert takes a way the goal line does not name (a detour,
     or a longer way round), its reply also says what lies that way; elsewhere it is unchanged."""
@@ -1535,12 +1546,13 @@ def test_the_warm_start_plays_each_picked_row_n_times(monkeypatch, world):
         assert len(seeds) == min(len(rows), 8), f'{len(rows)} rows: {len(seeds)} picked, not 8'
         assert sorted(games) == [(s, k) for s in seeds for k in range(4)], \
             'every picked row played 4 times, games 0-3, shared out among the processes'
+    four_rows = ['--rows_per_step', '4']  # (FrozenLake's recipe plays 16)
     with pytest.raises(UserError, match=r'^--warm_start_generations 64: more than the games of a '
                                         r'step \(--rows_per_step x --num_generations = 32\)'):
-        config.check_args(config.parse_args(['--warm_start_generations', '64']))
+        config.check_args(config.parse_args(['--warm_start_generations', '64', *four_rows]))
     with pytest.raises(UserError, match=r'^--warm_start_generations 33: more than'):
-        config.check_args(config.parse_args(['--warm_start_generations', '33']))
-    config.check_args(config.parse_args(['--warm_start_generations', '32']))  # all of a step's
+        config.check_args(config.parse_args(['--warm_start_generations', '33', *four_rows]))
+    config.check_args(config.parse_args(['--warm_start_generations', '32', *four_rows]))  # all 32
 
 
 def test_the_fork_moves_of_a_run_are_counted_per_step(tmp_path):
@@ -2077,7 +2089,8 @@ def test_the_expert_plays_a_rollouts_token_record(tokenizer, tmp_path):
     # named by a row
     with pytest.raises(UserError, match='^--warm_start_steps 12: env echo has no expert'):
         config.check_args(config.parse_args(['--dataset', str(tmp_path / 'rows.jsonl')]))
-    import baselines  # the expert of the default recipe: it says what lies toward G, then wins
+    import baselines  # the expert of the default recipe, without its coin: it says what lies
+    # toward G, then wins
     reasoned = rollout(ExpertScheduler(None, 10, tokenizer=tokenizer, gym_env='frozen_lake',
                                        max_completion_length=24),
                        requests_for(baselines.fork_rows(4, {'observation': 'around',
@@ -2395,6 +2408,7 @@ def test_held_out_maps_have_the_training_rows_settings(tmp_path):
                                                    'observation': 'position'}}) + '\n'
         for s in range(8)))
     eval_rows = config.check_args(config.parse_args(['--dataset', str(tmp_path / 'big.jsonl'),
+                                                     '--rows_per_step', '4',
                                                      '--eval_size', '2'])).eval_rows
     assert [r['env_config'] for r in eval_rows] == [
         {'seed': 100_000 + i, 'size': 5, 'observation': 'position'} for i in range(2)]
@@ -2454,7 +2468,7 @@ def test_a_server_that_does_not_answer_is_named_before_a_model_loads(tmp_path):
     (['--report_to', 'mlflow'], '--report_to mlflow: choose from tensorboard, wandb'),
     (['--model', '/no/such/folder'], '--model /no/such/folder: no such folder'),
     (['--rows_per_step', '2000'],
-     '--rows_per_step 2000: there are 1024 training rows in forks.jsonl'),
+     '--rows_per_step 2000: there are 1280 training rows in forks.jsonl'),
 ])
 def test_bad_flags_are_refused_in_one_line(flags, message):
     with pytest.raises(UserError) as e:
@@ -2533,16 +2547,16 @@ def test_help_shows_the_true_defaults():
 def test_frozen_lake_brings_its_own_rewards_and_held_out_maps():
     rows, eval_rows, env_cls, names, weights = dataclasses.astuple(
         config.check_args(config.parse_args([])))
-    assert (names, weights, env_cls, len(rows)) == (['progress'], [0.5, 1.0],
-                                                    frozen_lake.FrozenLakeEnv, 1024), \
-        "FrozenLake's task: its 1024 rows, its progress reward at 0.5 and the gym reward at 1"
+    assert (names, weights, env_cls, len(rows)) == (['safe_progress'], [0.5, 1.0],
+                                                    frozen_lake.FrozenLakeEnv, 1280), \
+        "FrozenLake's task: its 1280 rows, safe_progress at 0.5 and the gym reward at 1"
     assert [r['env_config']['seed'] for r in eval_rows] == list(range(100_000, 100_256)), \
         "FrozenLake's own held-out maps: seeds 100000 to 100255"
 
 
 def test_the_reward_flags_set_the_reward_columns():
     assert dataclasses.astuple(config.check_args(config.parse_args(
-        ['--use_gym_env', 'false'])))[3:] == (['progress'], [0.5]), \
+        ['--use_gym_env', 'false'])))[3:] == (['safe_progress'], [0.5]), \
         '--use_gym_env false: no gym reward column'
     assert dataclasses.astuple(config.check_args(config.parse_args(
         ['--reward_funcs', 'format'])))[3:] == (['format'], [1.0, 1.0]), \
