@@ -17,6 +17,7 @@ so that no word-order rule wins them and only the hole tells the moves apart. Wi
 the fork is the start itself (19% of maps). --detours K appends K maps whose start needs a
 detour (every move toward G leads into a hole; 4% of maps). --name_detours: where the expert takes
 a way the goal line does not name, its reply names it too ('Up is a hole. Right is ice.').
+--later_detours K appends K maps whose expert path needs a detour after its first move (3%).
 forks.jsonl, the default dataset, is `python baselines.py --forks 1024 --at_start --reason
 --coin_at_forks 0.25 --detours 256 --name_detours`.
 
@@ -74,13 +75,18 @@ def fork(grid, cell):
     return None if hole is None else 'first' if hole == first_word(grid, cell) else 'second'
 
 
+def expert_path(grid) -> list:
+    """The cells the expert walks from, S first."""
+    cell, path = find(grid, 'S'), []
+    while grid[cell[0]][cell[1]] != 'G':
+        path.append(cell)
+        cell = moved(grid, *cell, expert_move(grid, cell))
+    return path
+
+
 def forks(grid) -> list:
     """The forks the expert's path meets, each 'first' or 'second'."""
-    cell, kinds = find(grid, 'S'), []
-    while grid[cell[0]][cell[1]] != 'G':
-        kinds.append(fork(grid, cell))
-        cell = moved(grid, *cell, expert_move(grid, cell))
-    return [kind for kind in kinds if kind]
+    return [kind for kind in (fork(grid, cell) for cell in expert_path(grid)) if kind]
 
 
 def fork_rows(n: int, env_config: dict, at_start: bool = False, first_seed: int = 1000):
@@ -108,13 +114,14 @@ def needs_detour(grid, cell) -> bool:
                                               for m in toward(grid, cell, find(grid, 'G'))))
 
 
-def detour_rows(n: int, env_config: dict, taken=(), first_seed: int = 1000):
-    """n dataset rows of maps whose start needs a detour (each way the goal line names is a hole),
-    none of the seeds `taken`."""
+def detour_rows(n: int, env_config: dict, taken=(), first_seed: int = 1000, later=False):
+    """n dataset rows of maps whose start needs a detour (each way the goal line names is a hole)
+    or, `later`, whose expert path needs one after its first move; none of the seeds `taken`."""
     seeds, seed = [], first_seed
     while len(seeds) < n:
-        if seed not in taken and needs_detour(grid := generate_random_map(seed=seed),
-                                              find(grid, 'S')):
+        path = expert_path(grid := generate_random_map(seed=seed))
+        cells = path[1:] if later else path[:1]
+        if seed not in taken and any(needs_detour(grid, cell) for cell in cells):
             seeds.append(seed)
         seed += 1
     return dataset_rows(seeds, env_config)
@@ -197,11 +204,14 @@ if __name__ == '__main__':
                              'this probability (alone: 0.5, a fair coin)')
     parser.add_argument('--detours', type=int, default=0,
                         help='with --forks: append this many maps whose start needs a detour')
+    parser.add_argument('--later_detours', type=int, default=0,
+                        help='with --forks: append this many maps whose expert path needs a '
+                             'detour after its first move')
     parser.add_argument('--completions', help="print the fork moves of a run's completions.jsonl")
     parser.add_argument('--losses', help="sort the held-out games of a run's evals.jsonl")
     args = parser.parse_args()
-    if args.detours and not args.forks:
-        parser.error('--detours: only with --forks N')
+    if (args.detours or args.later_detours) and not args.forks:
+        parser.error('--detours, --later_detours: only with --forks N')
     if args.name_detours and not args.reason:
         parser.error('--name_detours: only with --reason')
     if args.losses:
@@ -220,6 +230,8 @@ if __name__ == '__main__':
                   **({'coin_at_forks': args.coin_at_forks} if args.coin_at_forks else {})}
         rows = fork_rows(args.forks, config, args.at_start)
         rows += detour_rows(args.detours, config, {row['env_config']['seed'] for row in rows})
+        rows += detour_rows(args.later_detours, config, {row['env_config']['seed'] for row in rows},
+                            later=True)
         print('\n'.join(json.dumps(row) for row in rows))
     else:
         maps = [generate_random_map(seed=EVAL_SEED_BASE + i) for i in range(10_000)]

@@ -1433,6 +1433,13 @@ def test_the_fork_dataset_balances_the_word_the_hole_is_in():
         assert config['observation'] == 'around', 'the rows carry the env_config'
         assert frozen_lake.expert_move(grid, start) not in baselines.goal_words(grid, start), \
             'a detour start: every way the goal line names is a hole'
+    # --later_detours: maps whose expert path needs a detour after its first move
+    for row in baselines.detour_rows(4, {}, later=True):
+        grid = generate_random_map(seed=row['env_config']['seed'])
+        ahead = [[frozen_lake.moved(grid, *cell, word) for word in baselines.goal_words(grid, cell)]
+                 for cell in baselines.expert_path(grid)[1:]]
+        assert any(all(grid[r][c] == 'H' for r, c in cells) for cells in ahead), \
+            'a later detour: a cell past the start where every way toward G is a hole'
 
 
 def test_forks_jsonl_is_what_its_command_writes():
