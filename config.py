@@ -300,7 +300,7 @@ def check_args(args: Args) -> Task:
     if hasattr(scheduler, 'check_rows'):  # e.g. its servers answer
         scheduler.check_rows(rows)
     games = args.rows_per_step * args.num_generations
-    if args.warm_start_generations > games:
+    if args.warm_start_steps and args.warm_start_generations > games:
         raise UserError(f'--warm_start_generations {args.warm_start_generations}: more than the '
                         f'games of a step (--rows_per_step x --num_generations = {games})')
     if args.warm_start_steps and not plays_env:

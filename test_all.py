@@ -1449,6 +1449,7 @@ def test_forks_jsonl_is_what_its_command_writes():
                         ' '.join(baselines.__doc__.split())).group(1)
     run = subprocess.run([sys.executable, 'baselines.py', *command.split()], cwd=HERE,
                          capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout == open(os.path.join(HERE, 'forks.jsonl')).read(), \
         f'forks.jsonl is not what `python baselines.py {command}` writes'
 
@@ -1560,6 +1561,9 @@ def test_the_warm_start_plays_each_picked_row_n_times(monkeypatch, world):
     with pytest.raises(UserError, match=r'^--warm_start_generations 33: more than'):
         config.check_args(config.parse_args(['--warm_start_generations', '33', *four_rows]))
     config.check_args(config.parse_args(['--warm_start_generations', '32', *four_rows]))  # all 32
+    # no warm start, no check: FrozenLake's recipe's 4 must not refuse a small GRPO-only run
+    config.check_args(config.parse_args(['--warm_start_steps', '0', '--rows_per_step', '1',
+                                         '--num_generations', '2', '--dataset', 'data.jsonl']))
 
 
 def test_the_fork_moves_of_a_run_are_counted_per_step(tmp_path):
