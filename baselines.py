@@ -119,8 +119,8 @@ def detour_rows(n: int, env_config: dict, taken=(), first_seed: int = 1000, late
     or, `later`, whose expert path needs one after its first move; none of the seeds `taken`."""
     seeds, seed = [], first_seed
     while len(seeds) < n:
-        path = expert_path(grid := generate_random_map(seed=seed))
-        cells = path[1:] if later else path[:1]
+        grid = generate_random_map(seed=seed)
+        cells = expert_path(grid)[1:] if later else [find(grid, 'S')]
         if seed not in taken and any(needs_detour(grid, cell) for cell in cells):
             seeds.append(seed)
         seed += 1
