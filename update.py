@@ -132,7 +132,7 @@ def token_logprobs(model, batch: batching.MicroBatch, temperature: float = 1.0, 
 def reference_logprobs(model, ref_model, batches, args: Args):
     """(logp_old, the KL anchor's logprobs), per micro-batch, without gradients; None when not
     needed: logp_old (the policy before this step) only with --num_iterations > 1, the anchor
-    (load_models) only with --beta > 0 (with LoRA: the same model, adapters off)."""
+    (load_models) only with --beta > 0 (LoRA, no warm start: the same model, adapters off)."""
     old, ref = None, None
     with torch.no_grad(), precision(args, model.device):
         if args.num_iterations > 1:
