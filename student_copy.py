@@ -3,11 +3,10 @@
 Every solution region in the sources, the lines between
     # BEGIN SOLUTION exercise N: title
     # END SOLUTION
-becomes `raise NotImplementedError('exercise N: title (EXERCISES.md)')`, and everything else is
-copied as it is (the files git tracks, and new ones it does not ignore), with worked_step.txt,
-the reference's `worked_step.py` tables to check one's own against. In the copy, each
-exercise's tests fail with that message until the student writes the part; the rest pass
-(test_all.py checks both, so the markers and the exercises cannot drift apart).
+becomes `raise NotImplementedError('exercise N: title (EXERCISES.md)')`; the rest of the files git
+tracks (and new ones it does not ignore) is copied as it is, with worked_step.txt: the reference's
+`worked_step.py` tables. In the copy each exercise's tests fail with that message until the
+student writes the part, and the rest pass (test_all.py checks both).
 """
 import argparse
 import os
@@ -24,17 +23,16 @@ def blank(source: str, path: str) -> str:
     out, start = [], None
     for number, line in enumerate(source.splitlines(keepends=True), 1):
         begin = BEGIN.match(line)
-        if start is None and begin:
+        if begin and start is not None:
+            raise SystemExit(f'error: {path}:{number}: BEGIN SOLUTION inside that of line {start}')
+        if begin:
             start = number
             out.append(f'{begin[1]}# {begin[2]}: write this part (EXERCISES.md)\n'
                        f'{begin[1]}raise NotImplementedError({begin[2] + " (EXERCISES.md)"!r})\n')
-        elif start is not None and END.match(line):
-            start = None
-        elif start is not None and begin:
-            raise SystemExit(f'error: {path}:{number}: a BEGIN SOLUTION inside the one of line '
-                             f'{start}')
         elif start is None:
             out.append(line)
+        elif END.match(line):
+            start = None
     if start is not None:
         raise SystemExit(f'error: {path}:{start}: BEGIN SOLUTION without END SOLUTION')
     return ''.join(out)

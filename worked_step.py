@@ -1,13 +1,11 @@
 """One GRPO step worked by hand: `python worked_step.py` (no model, about a second).
 
-Four scripted walks play one FrozenLake map (the real env), and each formula of README's "The
-algorithm" is printed in turn, computed by the real functions of grpo.py, so this cannot drift
-from the trainer: 1. rewards and their columns; 2. advantages (GRPO's, RLOO's, and GiGPO's
-step-level ones); 3. the loss (beta 0: no KL term, step 4) and which way each walk's tokens are
-pushed; 5. the weight each --loss_type gives a token (dapo's is bnpo's); then a second pass,
-where the ratio moves and the clip acts. Step 6 leaves nothing out here: every walk has A != 0.
-A reply's tokens are counted as one per four characters, plus one (a real tokenizer would split
-differently); every number below follows from that count and the env's rewards.
+Four scripted walks play one FrozenLake map (the real env), and the real functions of grpo.py
+compute each formula of README's "The algorithm" in turn, so this cannot drift from the trainer:
+1. rewards; 2. advantages (GRPO's, RLOO's, GiGPO's step-level ones); 3. the loss (beta 0: no KL,
+step 4) and which way each walk's tokens are pushed; 5. each --loss_type's weight of a token
+(dapo's is bnpo's); then a second pass, where the clip acts. Step 6 drops nothing: every A != 0.
+A reply counts one token per four characters, plus one (a real tokenizer splits differently).
 """
 import argparse
 import asyncio
@@ -17,7 +15,7 @@ import torch
 import batching
 import grpo
 from env import RolloutInferRequest
-from frozen_lake import FrozenLakeEnv
+from frozen_lake import MOVES, FrozenLakeEnv
 from trajectory import Segment, Trajectory
 
 WALKS = {  # seed 0: S at row 2, column 1; G at the bottom right; holes top left and in row 3
@@ -34,26 +32,23 @@ async def play(replies, seed=0, max_turns=5) -> Trajectory:
     env = FrozenLakeEnv({'seed': seed})
     observation, info, system = await env.reset(RolloutInferRequest([]))
     messages = [{'role': 'system', 'content': system}, {'role': 'user', 'content': observation}]
-    infos = {'total_reward': 0.0, 'step_rewards': [], 'states': [env.state_key()],
-             'reset_info': info}
-    segment = Segment([0] * PROMPT, [0] * PROMPT, [0.0] * PROMPT, [0] * PROMPT)
+    turns, rewards, states = [0] * PROMPT, [], [env.state_key()]
     for turn, word in enumerate(replies[:max_turns], 1):
-        reply = f'<action>{word}</action>' if word in ('up', 'down', 'left', 'right') else word
-        n = len(reply) // 4 + 1  # the reply's tokens, its end-of-turn token included
-        segment.token_ids += [turn] * n
-        segment.loss_mask += [1] * n
-        segment.logprobs += [0.0] * n
-        segment.turns += [turn] * n
+        reply = f'<action>{word}</action>' if word in MOVES else word
+        turns += [turn] * (len(reply) // 4 + 1)  # the reply's tokens, its end-of-turn one included
         messages.append({'role': 'assistant', 'content': reply})
         observation, reward, done, _ = await env.step(messages)
-        infos['total_reward'] += reward
-        infos['step_rewards'].append(reward)
-        infos['states'].append(env.state_key())
+        rewards.append(reward)
+        states.append(env.state_key())
         messages.append({'role': 'user', 'content': observation})
         if done:
             break
-    stop = 'done' if done else 'max_turns'
-    return Trajectory(RolloutInferRequest(messages), [segment], infos, stop, turn, messages)
+    segment = Segment(token_ids=list(turns), loss_mask=[int(k > 0) for k in turns],
+                      logprobs=[0.0] * len(turns), turns=turns)  # the ids: any would do
+    infos = {'total_reward': sum(rewards), 'step_rewards': rewards, 'states': states,
+             'reset_info': info}
+    return Trajectory(RolloutInferRequest(messages), [segment], infos,
+                      'done' if done else 'max_turns', turn, messages)
 
 
 def table(title, header, rows):
@@ -88,34 +83,19 @@ def rewards_and_advantages(group, names, gamma: float) -> grpo.Scores:
     return scores
 
 
-def the_weights(b, order, counts, budget, first):
-    """Step 5: the weight each --loss_type gives one sampled token, d loss / d L_t."""
-    rows = []
-    for loss_type in ('bnpo', 'grpo', 'dr_grpo'):
-        values = torch.zeros_like(b.advantages, requires_grad=True)  # per-token losses L_t
-        grpo.aggregate(values, b.loss_mask, b.trajectory_tokens, loss_type,
-                       counts.denominator(loss_type, budget)).backward()
-        rows.append([loss_type] + [first(values.grad, i) for i in range(4)])
-    table(f'5. The weight of one sampled token ({counts.tokens:.0f} tokens, '
-          f'{counts.trajectories:.0f} trajectories, dr_grpo budget {budget} = 4 x 5 turns x 16)',
-          ['loss_type'] + order, rows)
-
-
 def the_loss(group, names, scores: grpo.Scores):
-    """Steps 3-5: the loss at ratio 1 and its gradient, each --loss_type's token weights, and a
-    second pass whose ratios have moved, where the clip acts."""
+    """Steps 3-5: the first pass (ratio 1), each --loss_type's token weights, a second pass."""
     (b,) = batching.micro_batches(group, scores.turn_advantages, size=4, pad_id=0)  # shortest first
-    by_length = sorted(group, key=lambda t: len(t.segments[0].token_ids))
-    order = [names[group.index(t)] for t in by_length]
+    order = sorted(names, key=lambda k: len(group[names.index(k)].segments[0].token_ids))
     counts, budget = grpo.count(group, scores), 4 * 5 * 16  # trajectories x max_turns x 16 tokens
 
     def first(x, i):  # row i's value at its first sampled token
         return x[i][b.loss_mask[i].bool()][0].item()
 
-    def loss_of(logprobs, old, loss_type='bnpo'):
+    def loss_of(logprobs, old):  # bnpo's
         per_token, _, clipped = grpo.token_loss(logprobs, old, b.advantages, b.loss_mask)
-        return grpo.aggregate(per_token, b.loss_mask, b.trajectory_tokens, loss_type,
-                              counts.denominator(loss_type, budget)), clipped
+        return grpo.aggregate(per_token, b.loss_mask, b.trajectory_tokens, 'bnpo',
+                              counts.denominator('bnpo', budget)), clipped
     logprobs = torch.full(b.loss_mask.shape, -0.5, requires_grad=True)  # any values: ratio 1
     loss, _ = loss_of(logprobs, logprobs.detach())
     loss.backward()
@@ -125,7 +105,15 @@ def the_loss(group, names, scores: grpo.Scores):
           [(k, first(b.advantages, i), first(logprobs.grad, i),
             'likelier' if first(logprobs.grad, i) < 0 else 'less likely')
            for i, k in enumerate(order)])
-    the_weights(b, order, counts, budget, first)
+    rows = []  # 5: the weight each --loss_type gives one sampled token, d loss / d L_t
+    for loss_type in ('bnpo', 'grpo', 'dr_grpo'):
+        values = torch.zeros_like(b.advantages, requires_grad=True)  # per-token losses L_t
+        grpo.aggregate(values, b.loss_mask, b.trajectory_tokens, loss_type,
+                       counts.denominator(loss_type, budget)).backward()
+        rows.append([loss_type] + [first(values.grad, i) for i in range(4)])
+    table(f'5. The weight of one sampled token ({counts.tokens:.0f} tokens, '
+          f'{counts.trajectories:.0f} trajectories, dr_grpo budget {budget} = 4 x 5 turns x 16)',
+          ['loss_type'] + order, rows)
     shift = torch.tensor([[-0.3], [0.1], [0.3], [0.3]]) * b.advantages.sign()  # C: the wrong way
     moved = (logprobs.detach() + shift).requires_grad_()
     loss, clipped = loss_of(moved, logprobs.detach())
