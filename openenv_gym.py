@@ -1,20 +1,20 @@
 """Environments as services, through OpenEnv (huggingface/OpenEnv): play an env served elsewhere,
 and serve any env of ours to ms-swift's or TRL's OpenEnv path.
 
-1. `OpenEnvScheduler` (`--multi_turn_scheduler openenv_scheduler`, ms-swift's name, hooks, state
-   and env_config keys: `base_url`, `reset_kwargs`, `system_message`): each trajectory plays one
-   session of a served env over OpenEnv's WebSocket `/ws` (`OpenEnvWrapper`); its replies go
-   through `parse_action`, its observations through `format_observation`, both overridable. At
-   most `max_concurrent_envs` sessions open at once; a session is closed however its trajectory
-   ends; one that fails ends only its trajectory, as an env error (never trained).
-2. `python openenv_gym.py --gym_env frozen_lake --port 8000` serves a registered `Env` (ours, or
-   a plugin's) with OpenEnv's own server (`create_app`): a session per game, the conversation
-   kept on the server, the reset kwargs its env_config. `openenv` is needed for this only
-   (`pip install openenv==0.10.0`); playing talks the protocol with `websockets`.
+1. `OpenEnvScheduler` (`--multi_turn_scheduler openenv_scheduler`; ms-swift's names, hooks, state
+   and env_config keys `base_url`, `reset_kwargs`, `system_message`): each trajectory plays one
+   session of a served env over OpenEnv's WebSocket `/ws` (`OpenEnvWrapper`, on `websockets`),
+   replies through `parse_action`, observations through `format_observation`. At most
+   `max_concurrent_envs` sessions open at once; each is closed however its trajectory ends; one
+   that fails ends only its trajectory, as an env error (never trained).
+2. `python openenv_gym.py --gym_env frozen_lake --port 8000` serves a registered `Env` with
+   OpenEnv's own server (`create_app`; only this needs `pip install openenv==0.10.0`): a session
+   per game, the conversation kept on the server, the reset kwargs its env_config.
 Left out: OpenEnv's HTTP /reset and /step (a fresh env per request: no game), MCP tools.
 """
 import argparse
 import asyncio
+import contextlib
 import json
 import time
 import urllib.request
@@ -38,10 +38,8 @@ class OpenEnvWrapper:
 
     def _send(self, message: dict) -> dict:
         from websockets.exceptions import ConnectionClosed
-        try:
+        with contextlib.suppress(ConnectionClosed):  # what it said as it closed is read below
             self.ws.send(json.dumps(message))
-        except ConnectionClosed:
-            pass  # what the server said as it closed (at capacity, say) is still there to read
         answer = json.loads(self.ws.recv(timeout=self.timeout))
         if answer['type'] == 'error':
             data = answer['data']
@@ -74,10 +72,8 @@ class OpenEnvWrapper:
         """Close the session (the server closes its env); a second call does nothing."""
         ws, self.ws = self.ws, None
         if ws is not None:
-            try:
+            with contextlib.suppress(Exception):  # the server is gone: its side of the session too
                 ws.send(json.dumps({'type': 'close'}))
-            except Exception:  # the server is gone: its side of the session is too
-                pass
             ws.close()
 
 
@@ -165,8 +161,8 @@ class OpenEnvScheduler(MultiTurnScheduler):
         await asyncio.gather(*[self._close_and_remove(req.uuid) for req in requests])
 
     def parse_action(self, text: str) -> dict:
-        """The reply as the server's action: a JSON object as it is (a ```-fenced one too), any
-        other JSON value or text as {'message': ...} (ms-swift's rule)."""
+        """The action (ms-swift's rule): a JSON object (```-fenced too) as it is, else
+        {'message': the reply, or the JSON value as text}."""
         text = text.strip()
         body = '\n'.join(text.splitlines()[1:-1]) if text.startswith('```') else text
         try:
@@ -176,8 +172,7 @@ class OpenEnvScheduler(MultiTurnScheduler):
         return value if isinstance(value, dict) else {'message': str(value)}
 
     def format_observation(self, observation) -> str:
-        """The user message: the `prompt` of our served envs' observations, else the observation
-        as JSON (ms-swift's)."""
+        """The user message: our served envs' `prompt`, else the observation as JSON (ms-swift)."""
         if isinstance(observation, dict) and isinstance(observation.get('prompt'), str):
             return observation['prompt']
         return json.dumps(observation, ensure_ascii=False, default=str)
@@ -224,7 +219,7 @@ class GymSession:
         return self.observation_cls(prompt=observation, reward=float(reward), done=bool(done),
                                     metadata={'info': info})
 
-    def reset(self, *args, **kwargs):  # abstract in OpenEnv; the server awaits the async ones
+    def reset(self, *args, **kwargs):  # abstract in OpenEnv; its server awaits the async ones
         raise NotImplementedError('reset_async')
 
     def step(self, *args, **kwargs):
@@ -257,8 +252,7 @@ class GymSession:
 
 
 def served_app(gym_env: str, max_concurrent_envs: int):
-    """OpenEnv's app (`create_app`) serving `gym_env` a `GymSession` per session; GET /sessions:
-    how many are open (every one opened must be closed)."""
+    """OpenEnv's `create_app`, a `GymSession` per session; GET /sessions: how many are open."""
     from openenv.core.env_server import Action, Environment, Observation, create_app
 
     class GymAction(Action):
@@ -277,15 +271,13 @@ def served_app(gym_env: str, max_concurrent_envs: int):
 
 
 if __name__ == '__main__':
-    parser = argparse.ArgumentParser(description='Serve a registered env with OpenEnv\'s server.')
+    parser = argparse.ArgumentParser(description="Serve a registered env with OpenEnv's server.")
     parser.add_argument('--gym_env', default='frozen_lake', help='env for resets that name none')
-    parser.add_argument('--external_plugins', nargs='*', default=[],
-                        help='files that register envs')
+    parser.add_argument('--external_plugins', nargs='*', default=[], help='files registering envs')
     parser.add_argument('--host', default='127.0.0.1', help='address to listen on')
     parser.add_argument('--port', type=int, default=8000, help='port to listen on')
     parser.add_argument('--max_concurrent_envs', type=int, default=64,
-                        help="sessions at once: at least a step's trajectories "
-                             "(rows x generations)")
+                        help="sessions at once: at least a step's rows x generations")
     cli = parser.parse_args()
     import arithmetic  # noqa: F401  (registers the built-in envs)
     import frozen_lake  # noqa: F401

@@ -1,21 +1,17 @@
 """Server mode: the rollout server, holding vLLM, the scheduler and the envs, on FastAPI.
 
-The document's "Server 模式" (`swift rollout`; the trainer with `--vllm_mode server`):
-    python server.py --gym_env frozen_lake --max_turns 10                        # terminal 1
-    python train.py --env frozen_lake --vllm_mode server --vllm_server_pass_dataset true  # 2
+The document's "Server 模式" (`swift rollout`; the trainer: `train.py --vllm_mode server`, whose
+side is `RolloutClient`; the commands are in docs/ms-swift.md):
 1. GET /health -> {fingerprint, boot, max_turns, gym_env, weight_pushes}: the trainer refuses
    another architecture, tokenizer or --max_turns, and notices a restart (a new boot id).
 2. POST /rollout {rows, num_generations, temperature, max_completion_length} -> {trajectories}:
-   each played by the scheduler's run(), all concurrently, and returned whole (ids, masks,
-   logprobs).
-3. POST /update_weights, body = the state dict in safetensors format (no pickle over the wire).
+   each played by the scheduler's run(), all concurrently, returned whole (ids, masks, logprobs).
+3. POST /update_weights: the state dict in safetensors format (no pickle over the wire).
 The server owns the game (--gym_env, --max_turns, plugins); the trainer sends its sampling
 settings with each request. Oversized requests get 413; /health answers during a rollout.
-
 Left out: several servers, asynchronous rollouts, TLS and authentication (it listens on
 127.0.0.1 unless --host says otherwise: expose it only on a network you trust).
 """
-import argparse
 import asyncio
 import dataclasses
 import hashlib
@@ -74,19 +70,18 @@ def parse_args(argv=None):
 async def read_body(request, limit: int) -> bytes:
     """The request body, refused with 413 as soon as it is known to pass `limit` bytes."""
     from fastapi import HTTPException
-    declared = int(request.headers.get('content-length') or 0)
+    too_big = HTTPException(413, f'request body over the limit of {limit} bytes')
+    if int(request.headers.get('content-length') or 0) > limit:
+        raise too_big
     body = bytearray()
-    if declared <= limit:
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                break
-    if declared > limit or len(body) > limit:
-        raise HTTPException(413, f'request body over the limit of {limit} bytes')
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_big
     return bytes(body)
 
 
-async def run_all(scheduler, requests):
+async def run_all(scheduler, requests):  # each trajectory by its own run(), as in ms-swift
     return await asyncio.gather(*[scheduler.run(r) for r in requests])
 
 
@@ -115,6 +110,7 @@ def build_app(scheduler, engine, identity: dict, max_trajectories: int, max_weig
     from fastapi import FastAPI, HTTPException, Request
     from safetensors.torch import load as load_safetensors
     app, engine_lock = FastAPI(), threading.Lock()
+    gym_env = identity['gym_env'] if isinstance(scheduler, GYMScheduler) else None
 
     def play(request: RolloutRequest):
         with engine_lock:
@@ -133,9 +129,8 @@ def build_app(scheduler, engine, identity: dict, max_trajectories: int, max_weig
 
     @app.post('/rollout')
     async def rollout(http: Request):
-        plays_env = isinstance(scheduler, GYMScheduler)  # then each row's env must be known
         request = checked_request(await read_body(http, MAX_ROLLOUT_BYTES), max_trajectories,
-                                  identity['gym_env'] if plays_env else None)
+                                  gym_env)
         trajectories = await asyncio.to_thread(play, request)
         return {'boot': identity['boot'], 'trajectories': trajectories}
 
@@ -162,10 +157,7 @@ def fingerprint(tokenizer, config) -> str:
 
 
 class RolloutClient:
-    """The trainer's side of server mode: the same calls as Colocated, over HTTP to server.py.
-
-    The server owns the game (its --gym_env, --max_turns, plugins); each request carries the
-    trainer's sampling settings (temperature, max_completion_length)."""
+    """The trainer's side of server mode: the same calls as Colocated, over HTTP to server.py."""
 
     def __init__(self, url: str, tokenizer, config, max_turns: int, max_completion_length: int,
                  pass_dataset: bool, timeout: float):
@@ -182,12 +174,11 @@ class RolloutClient:
                 time.sleep(2)
         if health['fingerprint'] != fingerprint(tokenizer, config):
             raise UserError(f'the rollout server at {url} serves another model architecture or '
-                            'tokenizer; '
-                            'start it with the same --model as the trainer')
+                            'tokenizer; start it with the same --model as the trainer')
         if health['max_turns'] != max_turns:
             raise UserError(f"--max_turns {max_turns}: the rollout server at {url} plays "
-                            f"{health['max_turns']} "
-                            'turns; the server owns it: give both the same --max_turns')
+                            f"{health['max_turns']} turns; the server owns it: give both the same "
+                            '--max_turns')
         self.boot = health['boot']
 
     def _call(self, method: str, route: str, body: bytes = None) -> dict:
@@ -204,51 +195,44 @@ class RolloutClient:
                             '--resume true') from None
         if 'boot' in answer and getattr(self, 'boot', answer['boot']) != answer['boot']:
             raise UserError(f'the rollout server at {self.url} restarted and lost the trained '
-                            'weights; '
-                            'run again with --resume true')
+                            'weights; run again with --resume true')
         return answer
 
     def rollout(self, rows, group_size, temperature) -> List[Trajectory]:
-        given = rows
-        if not self.pass_dataset:
-            if any(row.get('env_config') for row in rows):
-                raise UserError('the rows carry env_config (e.g. the map seed) but '
-                                '--vllm_server_pass_dataset is false: each trajectory of a group '
-                                'would play a different map; pass --vllm_server_pass_dataset true')
-            rows = [{'messages': row.get('messages', [])} for row in rows]
-        body = json.dumps({'rows': rows, 'num_generations': group_size, 'temperature': temperature,
+        if not self.pass_dataset and any(row.get('env_config') for row in rows):
+            raise UserError('the rows carry env_config (e.g. the map seed) but '
+                            '--vllm_server_pass_dataset is false: each trajectory of a group '
+                            'would play a different map; pass --vllm_server_pass_dataset true')
+        sent = rows if self.pass_dataset else [{'messages': r.get('messages', [])} for r in rows]
+        body = json.dumps({'rows': sent, 'num_generations': group_size, 'temperature': temperature,
                            'max_completion_length': self.max_completion_length})
         games = [Trajectory(**{**t, 'request': RolloutInferRequest(**t['request']),
                                'segments': [Segment(**s) for s in t['segments']]})
                  for t in self._call('POST', '/rollout', body.encode())['trajectories']]
         for i, t in enumerate(games):  # the rows' columns, for the rewards, even if not sent
-            t.request.data_dict = {**given[i // group_size], **t.request.data_dict}
+            t.request.data_dict = {**rows[i // group_size], **t.request.data_dict}
             t.request.data_dict.pop('messages', None)
         return games
 
     def load_weights(self, model):
-        """Push the policy's weights to the server: under torchrun from rank 0 only (every process
-        holds the same weights), the others waiting until they are there."""
+        """Push the policy's weights to the server in safetensors format: under torchrun from rank
+        0 only (every process holds the same weights), the others waiting until they are there."""
         import torch.distributed as dist
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            self._call('POST', '/update_weights', self._encode(model))
-        if dist.is_initialized():
-            dist.barrier()  # no process rolls out on the old weights
-
-    @staticmethod
-    def _encode(model) -> bytes:
-        """The weights in safetensors format. Tied embeddings share memory, which safetensors
-        refuses: send a copy. Both names go, as in colocate mode: vLLM's CPU backend keeps lm_head
-        as its own tensor."""
         from safetensors.torch import save
         from engines import policy_weights
-        seen, weights = set(), {}
-        with policy_weights(model) as pairs:
-            for name, tensor in pairs:
-                cpu = tensor.detach().cpu()
-                weights[name] = cpu.clone() if tensor.data_ptr() in seen else cpu.contiguous()
-                seen.add(tensor.data_ptr())
-            return save(weights)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            # tied embeddings share memory, which safetensors refuses: the second name gets a copy
+            # (both names go, as in colocate mode: vLLM's CPU backend keeps lm_head as its own)
+            seen, weights = set(), {}
+            with policy_weights(model) as pairs:
+                for name, tensor in pairs:
+                    cpu = tensor.detach().cpu()
+                    weights[name] = cpu.clone() if tensor.data_ptr() in seen else cpu.contiguous()
+                    seen.add(tensor.data_ptr())
+                body = save(weights)
+            self._call('POST', '/update_weights', body)
+        if dist.is_initialized():
+            dist.barrier()  # no process rolls out on the old weights
 
     def sleep(self):
         pass
@@ -271,9 +255,8 @@ def serve(args):
         weight_bytes = sum(4 * t.numel() for t in shapes)
     engine = VLLMEngine(path, args.seed, args.vllm_max_model_len, args.vllm_kv_cache_gib,
                         args.vllm_gpu_memory_utilization, dtype=args.torch_dtype)
-    scheduler = make_scheduler(args.multi_turn_scheduler, engine, tokenizer,
-                               max_turns=args.max_turns,
-                               gym_env=args.gym_env, max_model_len=args.vllm_max_model_len,
+    scheduler = make_scheduler(args.multi_turn_scheduler, engine, tokenizer, gym_env=args.gym_env,
+                               max_turns=args.max_turns, max_model_len=args.vllm_max_model_len,
                                tool_timeout=args.tool_timeout)
     identity = {'fingerprint': fingerprint(tokenizer, config), 'boot': uuid.uuid4().hex,
                 'max_turns': args.max_turns, 'gym_env': args.gym_env, 'weight_pushes': 0}
