@@ -3,8 +3,8 @@
 `python baselines.py` (seconds; no model): what simple rules get, so that every trained number
 stands next to them. Each plays every map once, at most --max_turns moves, by FrozenLake's own
 rules (`frozen_lake.moved`): the 256 maps train.py evaluates on (seeds 100000..), and 10,000 of
-them. "Toward G": a move that brings the player nearer G (what the goal line says, rows before
-columns); optimal: the shortest path (BFS).
+them. "Toward G": a move that brings the player nearer G (a way the goal line names); optimal:
+the shortest path (BFS).
 
 `python baselines.py --forks N` writes a training dataset instead (JSONL on stdout): N maps whose
 expert path meets a fork (a cell where both moves toward G are open and one of them is a hole),

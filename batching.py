@@ -73,7 +73,8 @@ def micro_batches(trajectories, advantages: torch.Tensor, *, size: int, pad_id: 
     trajectory's per turn (a sampled token takes its turn's), or (N,), one per trajectory.
     share_prompt: sort by token ids, so that a group's members (which share their prompt) are
     neighbours, and pack each micro-batch (`pack`) into at most MAX_PACKED new tokens (what follows
-    the prefix a segment shares with the one before); otherwise shortest first, for less padding."""
+    the prefix a segment shares with the one before; a longer segment goes alone); otherwise
+    shortest first, for less padding."""
     rows = [(i, s) for i, t in enumerate(trajectories) for s in t.segments]
     rows.sort(key=lambda row: row[1].token_ids if share_prompt else len(row[1].token_ids))
     chunks, packed = [], 0  # the micro-batches' (trajectory, segment) rows; the last's new tokens

@@ -46,9 +46,10 @@ def timed(fn, repeats=cli.repeats):
     return statistics.median(seconds), result
 
 
-def train(label: str, flags: list) -> tuple:
-    """train.py with SHORT_GRPO and these flags in a process of its own: (its output, seconds)."""
-    out = tempfile.mkdtemp(prefix='bench-')
+def run_train(label: str, flags: list, prefix: str) -> tuple:
+    """train.py with SHORT_GRPO and these flags in a process of its own: (its output folder, a
+    new one named prefix..., and its seconds)."""
+    out = tempfile.mkdtemp(prefix=prefix)
     t0 = time.time()
     run = subprocess.run([sys.executable, 'train.py', *SHORT_GRPO, *flags, '--output_dir', out],
                          capture_output=True, text=True)
@@ -68,7 +69,8 @@ if cli.part == 'gpu':  # before anything loads: train.py does the work
         flags = (f'--env frozen_lake --dataset data.jsonl --max_steps 3 --reward_funcs progress '
                  f'--reward_weights 0.5 1 --engine {engine} --device cuda --torch_dtype {dtype} '
                  f'--tuner_type {tuner}').split()
-        out, seconds = train(name, flags + (['--model', cli.model] if cli.model else []))
+        out, seconds = run_train(tuner, flags + (['--model', cli.model] if cli.model else []),
+                                 f'gpu-{tuner}-{engine}-')
         for m in map(json.loads, open(os.path.join(out, 'metrics.jsonl'))):
             print(f"{name} step {m['step']}: loss {m['loss']:.4f} logprob_gap "
                   f"{m['logprob_gap']:.2e} entropy {m['entropy']:.3f} | rollout "
@@ -124,12 +126,12 @@ if cli.part == 'openenv':  # the server in its own venv
                 ('in process', lambda s: {'seed': s}, []),
                 ('served', lambda s: {'base_url': url, 'reset_kwargs': {'seed': s}},
                  ['--multi_turn_scheduler', 'openenv_scheduler'])]:
-            rows = os.path.join(tempfile.mkdtemp(prefix='bench-rows-'), 'rows.jsonl')
+            rows = os.path.join(tempfile.mkdtemp(prefix='bench-openenv-'), 'rows.jsonl')
             with open(rows, 'w') as f:
                 f.writelines(json.dumps({'messages': [], 'env_config': config(s)}) + '\n'
                              for s in range(cli.rows))
             # one reply a game: the same work both ways; --reward_funcs, none: the env's alone
-            _, seconds = train(name, ['--dataset', rows, '--max_steps', '2', '--max_turns', '1',
+            _, seconds = run_train(name, ['--dataset', rows, '--max_steps', '2', '--max_turns', '1',
                                       '--save_only_model', 'true', *flags, '--reward_funcs'])
             print(f'2 training steps, {name}: {seconds:.0f} s, start-up included')
     finally:
@@ -187,7 +189,7 @@ if cli.part == 'update':
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)  # lr 0: a step's work, weights kept
     body = sum(p.numel() for name, p in model.named_parameters() if 'embed' not in name)
     a = torch.randn(2048, 2048)
-    matmul_s, _ = timed(lambda: a @ a, 10)
+    matmuls = [2 * 2048 ** 3 / timed(lambda: a @ a, 1)[0] / 1e9 for _ in range(10)]  # GFLOP/s
     results = {}
     for recompute, switch in ((True, model.gradient_checkpointing_enable),
                               (False, model.gradient_checkpointing_disable)):
@@ -212,7 +214,7 @@ if cli.part == 'update':
           f'{results[True, True] / results[False, True]:.2f}x (shared); both: '
           f'{results[True, False] / results[False, True]:.2f}x. '
           f'GFLOP/s count 8 (recomputing) or 6 x {body / 1e6:.0f}M non-embedding parameters x '
-          f'tokens computed; a 2048x2048 fp32 matmul: {2 * 2048 ** 3 / matmul_s / 1e9:.0f} GFLOP/s '
+          f'tokens computed; a 2048x2048 fp32 matmul: {statistics.median(matmuls):.0f} GFLOP/s '
           '(median of 10)')
 
 if cli.part == 'eval':

@@ -26,7 +26,8 @@ class Args:
     # ---- environment and data (flag names as in ms-swift) ----
     gym_env: str = flag('frozen_lake', 'env for rows without env_config.name (alias --env)')
     external_plugins: List[str] = flag([], 'python files that register envs, rewards, schedulers')
-    multi_turn_scheduler: str = flag('gym_scheduler', 'a name registered in scheduler.multi_turns')
+    multi_turn_scheduler: str = flag('gym_scheduler', 'a name in scheduler.multi_turns: '
+                                     "gym_scheduler, hint_scheduler, window_scheduler, a plugin's")
     use_gym_env: bool = flag(True, "use the env's total_reward as the last reward column")
     dataset: str = flag('data.jsonl', 'JSONL rows with messages and env_config')
     split_dataset_ratio: float = flag(0.1, 'share of --dataset held out (envs with no eval_rows)')
@@ -39,7 +40,8 @@ class Args:
     lora_alpha: int = flag(32, 'with --tuner_type lora: their scale is lora_alpha / lora_rank')
     target_modules: List[str] = flag(['all-linear'], 'with --tuner_type lora: modules to adapt')
     device: str = flag('auto', 'where the trainer computes: auto (CUDA if available), cuda, or cpu')
-    torch_dtype: str = flag('float32', 'float32, or bfloat16: bf16 compute on fp32 weights')
+    torch_dtype: str = flag('float32', 'float32, or bfloat16: bf16 compute on fp32 weights; the '
+                            'engine samples in the same dtype')
     engine: str = flag('auto', 'rollout engine: vllm, hf, or auto (vllm when it can start)')
     vllm_mode: str = flag('colocate', 'colocate: vLLM in-process; server: rollouts from server.py')
     vllm_gpu_memory_utilization: float = flag(0.3, 'CUDA: share of GPU memory vLLM may take')
@@ -96,7 +98,8 @@ class Args:
     eval_temperature: float = flag(0.0, 'sampling temperature of evaluation (0: greedy)')
     eval_only: bool = flag(False, 'evaluate --model and stop')
     save_steps: int = flag(20, 'checkpoint every N steps (and at the end)')
-    save_only_model: bool = flag(False, "checkpoints without AdamW's state (a third of the size)")
+    save_only_model: bool = flag(False, "checkpoints without AdamW's state (a third of the "
+                                 'size; --resume then starts AdamW afresh)')
     output_dir: str = flag('output', 'metrics, completions, checkpoints, plot')
     resume: bool = flag(False, 'continue from the latest checkpoint in --output_dir')
     seed: int = flag(0, "picks each step's rows; seeds vLLM's sampler and torch")

@@ -119,10 +119,13 @@ class VLLMEngine(Engine):
         from vllm.inputs import TokensPrompt
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, logprobs=0)
         requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
-        samples = [out.outputs[0] for out in self.llm.generate(requests, params, use_tqdm=False)]
-        return [Completion(list(s.token_ids),  # logprobs=0: each step holds the sampled id's only
-                           [step[id_].logprob for id_, step in zip(s.token_ids, s.logprobs)],
-                           'length' if s.finish_reason == 'length' else 'stop') for s in samples]
+        completions = []
+        for out in self.llm.generate(requests, params, use_tqdm=False):
+            sample = out.outputs[0]  # logprobs=0: each step holds the sampled id's only
+            logprobs = [step[id_].logprob for id_, step in zip(sample.token_ids, sample.logprobs)]
+            completions.append(Completion(list(sample.token_ids), logprobs,
+                                          'length' if sample.finish_reason == 'length' else 'stop'))
+        return completions
 
     def load_weights(self, weights):
         """All at once (fused q/k/v and gate/up pieces must arrive together), then drop every

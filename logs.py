@@ -120,7 +120,8 @@ class RunLog:
         stats['overlong_filtered'] = sum(int((~p[1].in_loss & p[1].valid).sum()) for p in parts)
         spread = grpo.with_spread(rewards, group_size, valid).view(-1, group_size).any(1)
         record = {
-            'step': step, 'reward': rewards.mean().item(),
+            'step': step,
+            'reward': rewards.mean().item(),
             **{f'reward/{n}': columns[:, i].nanmean().item()
                for i, n in enumerate(self.column_names)},
             'zero_adv_groups': 1 - spread.float().mean().item(),
@@ -128,7 +129,9 @@ class RunLog:
             'valid_actions': valid_share(trajectories),
             'turns': sum(t.num_turns for t in trajectories) / len(trajectories),
             'sampled_tokens': sum(t.num_sampled for t in trajectories),
-            **tool_use(trajectories), **stats}
+            **tool_use(trajectories),
+            **stats,
+        }
         self._write(record)
         self._completions(step, parts)
         variants = ''.join(f' {key} {stats[key]:.3g}' for key in  # what a switched-on variant did

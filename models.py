@@ -85,8 +85,10 @@ def pick_device(choice: str) -> torch.device:
 
 def load_models(args: Args, rank: int = 0):
     """(tokenizer, model, KL anchor or None, optimizer, first step), on --device, from the last
-    checkpoint on --resume. The anchor (--beta) is the model GRPO starts from: --model, or
-    checkpoint-0 when resuming after a warm start (a fresh one's: train.py, with `frozen`)."""
+    checkpoint on --resume. The anchor (--beta) is the model GRPO starts from:
+    - full training: a frozen copy of --model;
+    - LoRA: None; update.py runs the policy with its adapters off (the base model);
+    - on --resume after a warm start: checkpoint-0 (a fresh warm start's: train.warm_phase)."""
     from transformers import AutoTokenizer
     quiet()
     start, device = args.model or embedded_model(), pick_device(args.device)
@@ -114,10 +116,10 @@ def load_models(args: Args, rank: int = 0):
               f'{sum(p.numel() for p in trainable):,} of {total:,}'
               + (f"\nresumed from {path} at step {state['step']}" if state else ''))
     warm = os.path.join(args.output_dir, 'checkpoint-0')
-    anchor = warm if args.resume and os.path.exists(warm) else start
-    ref_model = None  # LoRA from --model: none, update.py turns the policy's adapters off
-    if args.beta and (anchor == warm or not hasattr(model, 'peft_config')):
-        ref_model = frozen(load_policy(anchor, args, device))
+    resumed_warm = args.resume and os.path.exists(warm)
+    ref_model = None
+    if args.beta and (resumed_warm or not hasattr(model, 'peft_config')):
+        ref_model = frozen(load_policy(warm if resumed_warm else start, args, device))
     return tokenizer, model, ref_model, optimizer, state['step'] if state else 0
 
 

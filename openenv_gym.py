@@ -162,7 +162,7 @@ class OpenEnvScheduler(MultiTurnScheduler):
 
     def parse_action(self, text: str) -> dict:
         """The action (ms-swift's rule): a JSON object (```-fenced too) as it is, else
-        {'message': the reply, or the JSON value as text}."""
+        {'message': the reply, or str() of the JSON value}."""
         text = text.strip()
         body = '\n'.join(text.splitlines()[1:-1]) if text.startswith('```') else text
         try:

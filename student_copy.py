@@ -24,7 +24,8 @@ def blank(source: str, path: str) -> str:
     for number, line in enumerate(source.splitlines(keepends=True), 1):
         begin = BEGIN.match(line)
         if begin and start is not None:
-            raise SystemExit(f'error: {path}:{number}: BEGIN SOLUTION inside that of line {start}')
+            raise SystemExit(f'error: {path}:{number}: a BEGIN SOLUTION inside the one of line '
+                             f'{start}')
         if begin:
             start = number
             out.append(f'{begin[1]}# {begin[2]}: write this part (EXERCISES.md)\n'

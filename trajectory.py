@@ -98,7 +98,8 @@ class TokenRecord:
         assistant's): the next reply adds to these ids (a hook that changed the reply must give the
         ids it added). Appended to: the turn is closed, the new messages' ids (mask 0) go at the
         end. Rewritten: the turn is closed, the segment ends as `before`, and a new one starts.
-        False when the result would exceed `room` ids (nothing added; the conversation cut back)."""
+        False when the result would exceed `room` ids (the new messages' ids are not added, and the
+        conversation is cut back)."""
         messages, segment = t.request.messages, t.segments[-1]
         if (len(messages) == len(before) and messages[:-1] == before[:-1]
                 and messages[-1]['role'] == 'assistant'):
