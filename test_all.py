@@ -208,12 +208,34 @@ def test_envs():
 
 # ---------------------------------------------------------- exercise 1: frozen_lake.progress_reward
 # Grades progress_reward: the share of the way to G a replayed walk made, a hole ending it.
-# EXERCISES.md's grading command selects it with -k "ex1_" (2 tests).
+# EXERCISES.md's grading command selects it with -k "ex1_" (5 tests).
 
 def played(board: str, *replies):
     """The messages of a FrozenLake game: a system prompt, the first board, then the replies."""
     return [{'role': 'system', 'content': 'x'}, {'role': 'user', 'content': board}] + [
         {'role': 'assistant', 'content': r} for r in replies]
+
+
+EX1_BOARD = 'P F F F\nF H F F\nF F F G\nF F F F\n'  # G 5 away (Manhattan), a hole at (1, 1)
+
+
+def test_ex1_progress_is_a_share_of_the_manhattan_distance():
+    assert frozen_lake.progress_reward(played(EX1_BOARD, 'down')) == pytest.approx(1 / 5), \
+        ('progress_reward: (start - end distance) / start distance, distances Manhattan '
+         '(|d row| + |d col|): one step down from 5 away leaves 4: 1/5')
+
+
+def test_ex1_reaching_g_ends_the_walk():
+    walk = played(EX1_BOARD, 'right', 'right', 'down', 'down', 'right', 'up')
+    assert frozen_lake.progress_reward(walk) == 1.0, \
+        'progress_reward: reaching G ends the walk; a reply after it moves nothing: 1'
+
+
+def test_ex1_an_unreadable_reply_moves_nothing_and_the_walk_goes_on():
+    walk = played(EX1_BOARD, 'right', 'no idea', 'right or left', 'right')
+    assert frozen_lake.progress_reward(walk) == pytest.approx(2 / 5), \
+        ('progress_reward: a reply parse_action cannot read (no move, or several) moves nothing '
+         'and the walk goes on: 5 -> 3 away, 2/5')
 
 
 def test_ex1_progress_reward_replays_the_walk():
@@ -261,7 +283,7 @@ def test_ex1_a_fall_keeps_none_of_its_gain():
 
 # ---------------------------------------------------------------- exercise 2: grpo.group_advantages
 # Grades group_advantages, by hand and rule by rule, then what rests on it: grpo.score, the run's
-# log, dynamic sampling (train.collect). EXERCISES.md's grading command: -k "ex2_" (12 tests).
+# log, dynamic sampling (train.collect). EXERCISES.md's grading command: -k "ex2_" (13 tests).
 
 def spread(rewards, group_size, valid=None):
     valid = torch.ones_like(rewards, dtype=torch.bool) if valid is None else valid
@@ -276,8 +298,10 @@ def test_ex2_group_advantages_by_hand():
         f'group_advantages: (r - the group mean) / the sample std (n - 1): {adv.tolist()}'
     assert torch.allclose(adv[3:], torch.tensor([-(2 / 3) / s, (1 / 3) / s, (1 / 3) / s])), \
         f'group_advantages: each group against its own mean and std: {adv.tolist()}'
-    assert torch.equal(grpo.group_advantages(torch.tensor([0.5, 0.5]), 2), torch.zeros(2)), \
-        'group_advantages: a group whose rewards are all equal must get advantage exactly 0'
+    equal = grpo.group_advantages(torch.tensor([0.5, 0.5]), 2)
+    assert torch.equal(equal, torch.zeros(2)), \
+        (f'group_advantages: equal rewards give 0 / (0 + 1e-4) = 0 exactly, not {equal.tolist()} '
+         '(nan: the + eps is missing)')
     assert (spread(torch.tensor([0.0, 0.5, 1.0, 1.0, 1.0, 1.0, 0.2, 0.2, 0.3]), 3)
             == [0, 1, 2, 6, 7, 8]), 'with_spread: the members of the groups whose rewards differ'
     assert spread(torch.tensor([1.0, 1.0]), 2) == [], 'with_spread: equal rewards have no spread'
@@ -287,10 +311,13 @@ def test_ex2_group_advantages_catch_the_common_slips():
     rewards = torch.tensor([0.0, 0.001, 0.0, 0.001])  # a tiny spread, where the + 1e-4 matters
     sample = (4 * 0.0005 ** 2 / 3) ** 0.5  # the sample std (n - 1); the population std: 0.0005
     expected = torch.tensor([-1.0, 1.0, -1.0, 1.0]) * 0.0005 / (sample + 1e-4)
+    assert torch.allclose(grpo.group_advantages(rewards, 4, eps=0.0), expected * (sample + 1e-4)
+                          / sample, rtol=1e-4), \
+        'scale group: / the sample std (n - 1), not the population std (n)'
     assert torch.allclose(grpo.group_advantages(rewards, 4), expected, rtol=1e-4), \
-        'sample std, and + 1e-4'
+        'scale group: / (the std + 1e-4): with a spread of 0.001 the 1e-4 matters'
     assert torch.allclose(grpo.group_advantages(rewards, 4, scale='batch'), expected, rtol=1e-4), \
-        'batch: + 1e-4'
+        'scale batch: / (the sample std (n - 1) of the valid rewards + 1e-4)'
     # batch std over the valid members only: the errored member's 9 must not enter it
     valid = torch.tensor([True, True, True, False])
     got = grpo.group_advantages(torch.tensor([0.0, 1.0, 1.0, 9.0]), 4, valid, scale='batch',
@@ -313,12 +340,14 @@ def test_ex2_group_advantages_without_spread_are_exactly_zero():
 
 
 def test_ex2_group_advantages_leave_errored_trajectories_out():
-    rewards = torch.tensor([1.0, 0.0, 0.5, 1.0, 0.5, 0.5, 0.0, 1.0, 1.0])
+    rewards = torch.tensor([1.0, 0.0, 5.0, 1.0, 0.5, 0.5, 0.0, 1.0, 1.0])
     valid = torch.tensor([True, True, False, True, False, False, True, True, True])
     adv = grpo.group_advantages(rewards, 3, valid, eps=0.0)
+    assert adv[2] == 0, \
+        f'an invalid member (its env raised) gets A = 0, whatever its reward: {adv[2]}'
     s = 0.5 ** 0.5  # group 1's valid members: 1, 0 -> mean 0.5, sample std sqrt(0.5)
     assert torch.allclose(adv[:3], torch.tensor([0.5 / s, -0.5 / s, 0.0])), \
-        'the mean and std of valid members only'
+        'the mean and std of valid members only (1 and 0; not the invalid 5)'
     assert torch.equal(adv[3:6], torch.zeros(3)), \
         'a group with one valid member has nothing to compare: A = 0'
     assert torch.allclose(adv[6:], grpo.group_advantages(rewards[6:], 3, eps=0.0)), \
@@ -356,6 +385,14 @@ def test_ex2_advantage_estimators_and_scales_by_hand():
 
 # The tests below check what rests on group_advantages (grpo.score, the run's log, train.collect):
 # they need exercise 2 done, so they carry its ex2_ (test_student_copy_... requires it).
+
+def test_ex2_rloo_centres_on_the_other_valid_members():
+    valid = torch.tensor([True, True, True, False])
+    a = grpo.group_advantages(torch.tensor([1.0, 0.0, 0.5, 9.0]), 4, valid, estimator='rloo',
+                              scale='none')
+    assert torch.allclose(a, torch.tensor([0.75, -0.75, 0.0, 0.0])), \
+        f'rloo: r minus the mean of the other *valid* members (not the invalid 9): {a.tolist()}'
+
 
 def test_ex2_errored_trajectories_are_never_trained_on():
     # the errored member still says '<action>up</action>' and would earn the format reward
@@ -518,7 +555,7 @@ def test_ex2_collect_does_not_gather_the_batch_std_and_one_reward_is_no_nan(monk
 
 # ------------------------------------------------------ exercise 3: grpo.token_loss, grpo.aggregate
 # Grades the per-token clipped surrogate with the k3 KL and its aggregation over the tokens, by
-# hand, the variants too (--loss_type, sequence level, rollout weights): -k "ex3_" (8 tests).
+# hand, the variants too (--loss_type, sequence level, rollout weights): -k "ex3_" (10 tests).
 
 def loss(per_token, mask, loss_type='bnpo', denominator=None, trajectory_tokens=None):
     """grpo.aggregate with the defaults of one micro-batch that is the whole batch."""
@@ -527,28 +564,40 @@ def loss(per_token, mask, loss_type='bnpo', denominator=None, trajectory_tokens=
                           mask.sum() if denominator is None else denominator)
 
 
+def test_ex3_aggregate_by_hand():
+    values, mask, tokens = torch.tensor([[100.0, 1.0, 2.0]]), torch.tensor([[0, 1, 1]]), \
+        torch.tensor([[2.0]])
+    got = grpo.aggregate(values, mask, tokens, 'bnpo', 2.0).item()
+    assert got == pytest.approx(1.5), ('aggregate bnpo: the mask-1 values summed (1 + 2; not the '
+                                       f'masked 100) / the denominator 2 = 1.5, not {got}')
+    got = grpo.aggregate(values, mask, tokens, 'grpo', 1.0).item()
+    assert got == pytest.approx(1.5), ("aggregate grpo: each token / its trajectory's tokens (2), "
+                                       f'summed, / the denominator 1 = 1.5, not {got}')
+
+
 def test_ex3_token_loss_by_hand():
     mask = torch.tensor([[0, 1, 1, 1]])
     old = torch.zeros(1, 4)
     logp = torch.log(torch.tensor([[9.0, 1.5, 1.1, 0.5]]))  # ratios: (masked), 1.5, 1.1, 0.5
-    # A = +1: min(r, clip(r, 0.8, 1.2)) = 1.2, 1.1, 0.5 -> loss = -(1.2 + 1.1 + 0.5) / 3; the clip
-    # acted on 1.5 only
+    # A = +1: min(r, clip(r, 0.8, 1.2)) = 1.2, 1.1, 0.5 -> L_t = -1.2, -1.1, -0.5; the clip acted
+    # on 1.5 only
     per_token, _, clipped = grpo.token_loss(logp, old, torch.tensor([1.0]), mask, epsilon=0.2)
-    assert loss(per_token, mask).item() == pytest.approx(-(1.2 + 1.1 + 0.5) / 3), \
-        'token_loss: -min(ratio A, clip(ratio, 1 - eps, 1 + eps) A) per sampled token'
+    assert per_token[0, 1:].tolist() == pytest.approx([-1.2, -1.1, -0.5]), \
+        ('token_loss: -min(ratio A, clip(ratio, 1 - eps, 1 + eps) A) per sampled token, '
+         'ratio = exp(logp - logp_old)')
     assert clipped[mask.bool()].tolist() == [True, False, False], \
         'token_loss: clipped only where min() took the clipped term (A > 0: ratio > 1 + eps)'
-    # A = -1: min(-r, -clip(r)) = -1.5, -1.1, -0.8 -> loss = (1.5 + 1.1 + 0.8) / 3; the clip acted
-    # on 0.5 only
+    # A = -1: min(-r, -clip(r)) = -1.5, -1.1, -0.8 -> L_t = 1.5, 1.1, 0.8; the clip acted on 0.5
+    # only
     per_token, _, clipped = grpo.token_loss(logp, old, torch.tensor([-1.0]), mask, epsilon=0.2)
-    assert loss(per_token, mask).item() == pytest.approx((1.5 + 1.1 + 0.8) / 3), \
+    assert per_token[0, 1:].tolist() == pytest.approx([1.5, 1.1, 0.8]), \
         'token_loss with A < 0: -min(ratio A, clip(ratio, 1 - eps, 1 + eps) A), the min of both'
     assert clipped[mask.bool()].tolist() == [False, False, True], \
         'token_loss: clipped only where min() took the clipped term (A < 0: ratio < 1 - eps)'
     # epsilon_high widens only the upper side: clip at 1.3 -> 1.3, 1.1, 0.5
     per_token, _, _ = grpo.token_loss(logp, old, torch.tensor([1.0]), mask, epsilon=0.2,
                                       epsilon_high=0.3)
-    assert loss(per_token, mask).item() == pytest.approx(-(1.3 + 1.1 + 0.5) / 3), \
+    assert per_token[0, 1:].tolist() == pytest.approx([-1.3, -1.1, -0.5]), \
         'token_loss: the band is (1 - epsilon, 1 + epsilon_high)'
     # KL (k3) with ratio 1: logp = old = 0, ref = log 2 on one token -> 2 - log 2 - 1
     ref = torch.tensor([[0.0, 0.0, 0.0, 0.6931471805599453]])
@@ -556,7 +605,8 @@ def test_ex3_token_loss_by_hand():
                                        ref_logprobs=ref)
     assert kl[0].tolist() == pytest.approx([0.0, 0.0, 0.0, 1 - 0.6931471805599453]), \
         'token_loss: the KL is k3, exp(ref - logp) - (ref - logp) - 1, per token'
-    assert loss(per_token, mask).item() == pytest.approx(0.5 * (1 - 0.6931471805599453) / 3), \
+    kl_loss = 0.5 * (1 - 0.6931471805599453)
+    assert per_token[0].tolist() == pytest.approx([0.0, 0.0, 0.0, kl_loss]), \
         'token_loss: L_t is the surrogate plus beta times the k3 KL'
     # a masked token contributes nothing, whatever its value
     changed = logp.clone()
@@ -586,6 +636,14 @@ def test_ex3_token_loss_catches_the_common_slips():
     rows = torch.tensor([[1, 1, 0], [1, 1, 1]])
     total = grpo.aggregate(torch.ones(2, 3), rows, torch.tensor([[5.0], [5.0]]), 'grpo', 1.0)
     assert total.item() == pytest.approx(1.0), 'grpo divides by the whole trajectory\'s tokens'
+
+
+def test_ex3_clipped_uses_the_band_of_the_loss():
+    _, _, clipped = grpo.token_loss(torch.log(torch.tensor([[1.25]])), torch.zeros(1, 1),
+                                    torch.tensor([1.0]), torch.ones(1, 1), epsilon=0.2,
+                                    epsilon_high=0.3)
+    assert not clipped.any(), \
+        'token_loss: clipped uses the band of the loss: 1.25 < 1 + epsilon_high (1.3): not clipped'
 
 
 def test_ex3_gradient_points_the_right_way():
@@ -623,11 +681,12 @@ def test_ex3_loss_types_by_hand():
     for loss_type, value in expected.items():
         per_token = grpo.token_loss(logp, logp, adv, mask)[0]
         d = counts.denominator(loss_type, budget=2 * 5)
-        assert grpo.aggregate(per_token, mask, tokens, loss_type, d).item() == pytest.approx(
-            value), loss_type
+        got = grpo.aggregate(per_token, mask, tokens, loss_type, d).item()
+        assert got == pytest.approx(value), f'aggregate {loss_type}: {value} by hand, not {got}'
         halves = [grpo.aggregate(per_token[i:i + 1], mask[i:i + 1], tokens[i:i + 1], loss_type, d)
                   for i in (0, 1)]
-        assert sum(halves).item() == pytest.approx(value), loss_type  # micro-batches add up
+        assert sum(halves).item() == pytest.approx(value), \
+            f"aggregate {loss_type}: the micro-batches' losses add up to the batch's"
 
 
 def test_ex3_the_normalisers_count_the_trajectories_that_do_not_train():
@@ -733,9 +792,14 @@ def test_ex4_token_logprobs_match_a_full_forward(tiny_model_dir):
                 for i in (0, 1)]
     (batch,) = batching.micro_batches([Trajectory(RolloutInferRequest([]), segments)],
                                       torch.zeros(1), size=2, pad_id=0)
+    picked = mask[:, 1:].bool()
+    got, _ = update.token_logprobs(model, batch, temperature=1.0, chunk=3)
+    full = model(ids).logits[:, :-1].log_softmax(-1)  # (2, 11, V)
+    assert torch.allclose(got[:, 1:][picked], full.gather(-1, ids[:, 1:, None])[..., 0][picked],
+                          atol=1e-5), \
+        'the logprob of token t is log_softmax of the output at t - 1 (batch.predictor), at its id'
     got, entropies = update.token_logprobs(model, batch, temperature=0.7, chunk=3)
     full = (model(ids).logits[:, :-1] / 0.7).log_softmax(-1)  # (2, 11, V)
-    picked = mask[:, 1:].bool()
     assert torch.allclose(got[:, 1:][picked], full.gather(-1, ids[:, 1:, None])[..., 0][picked],
                           atol=1e-5), (
         'the logprob of token t is log_softmax(logits at t - 1 / temperature) at its id: divide by '
@@ -812,8 +876,10 @@ def test_ex4_shared_prompt_update_equals_the_plain_one(tiny_model_dir, monkeypat
                    for b in batches), 'a packed row holds at most MAX_PACKED tokens, or one segment'
         assert len(batches) > 1 or batching.MAX_PACKED > 80, 'MAX_PACKED 80 splits the batch'
         assert shared.keys() == plain.keys(), 'the shared-prompt update reads the same segments'
-        assert all(torch.allclose(shared[k], plain[k], atol=1e-5) for k in plain), size
-        assert all(torch.allclose(grads[k], plain_grads[k], atol=1e-5) for k in grads), size
+        assert all(torch.allclose(shared[k], plain[k], atol=1e-5) for k in plain), \
+            f'micro-batches of {size}: the packed logprobs equal the plain forward\'s'
+        assert all(torch.allclose(grads[k], plain_grads[k], atol=1e-5) for k in grads), \
+            f'micro-batches of {size}: the packed gradients equal the plain update\'s'
         # one packed row: every distinct prefix once (the system message, each group's prompt, ...)
         if size == 15 and batching.MAX_PACKED > 80:
             prefixes = {tuple(s.token_ids[:p + 1]) for t in trajectories for s in t.segments
@@ -943,9 +1009,25 @@ def test_ex5_a_hook_that_rewrites_history_starts_a_new_segment(tokenizer):
         "--loss_type grpo: each trajectory's tokens weigh 1 in all, over all its segments"
 
 
+def test_ex5_the_window_keeps_the_head_and_the_last_two_turns(tokenizer):
+    from scheduler import WindowScheduler
+    replies = iter(f'<action>{m}</action>' for m in ['left', 'right'] * 9)
+    scheduler = WindowScheduler(ScriptedEngine(tokenizer, lambda t: next(replies)), 6,
+                                tokenizer=tokenizer, gym_env='frozen_lake')
+    (t,) = rollout(scheduler, requests([0]))
+    observation, _, system = asyncio.run(frozen_lake.FrozenLakeEnv({'seed': 0}).reset(None))
+    head = [{'role': 'system', 'content': system}, {'role': 'user', 'content': observation}]
+    assert all(s.messages[:2] == head for s in t.segments), \
+        'the window keeps the system prompt and the first observation at the head of every segment'
+    sizes = [len(s.messages) for s in t.segments[1:]]
+    assert sizes == [2 + 2 * 2 + 1] * len(sizes), (
+        'a window of 2: the system prompt, the first observation, the last 2 turns (a reply and '
+        f'the observation after it) and the new reply: 7 messages a segment, not {sizes}')
+
+
 # --------------------------------------------------------- exercise 6: grpo.step_advantages (GiGPO)
 # Grades step_advantages: turns from one state compared on their discounted returns, by hand and
-# rule by rule, then through grpo.score and dynamic sampling: -k "ex6_" (8 tests).
+# rule by rule, then through grpo.score and dynamic sampling: -k "ex6_" (9 tests).
 
 def gigpo_walk(states, step_rewards, stop='done'):
     """A FrozenLake walk: the cell before each reply, the env's rewards; two sampled tokens a
@@ -972,8 +1054,9 @@ def test_ex6_gigpo_step_advantages_by_hand():
     step = grpo.step_advantages(group, 3, gamma=0.9, scale='none')
     # returns: 0.9 and 1 (the winner), 0 and 0, 0. Cell (0, 0): 0.9, 0, 0 (mean 0.3); cell (0, 1):
     # 1, 0 (mean 0.5)
-    assert torch.allclose(step, torch.tensor([[0.6, 0.5], [-0.3, -0.5], [-0.3, 0.0]])), \
-        step.tolist()
+    assert torch.allclose(step, torch.tensor([[0.6, 0.5], [-0.3, -0.5], [-0.3, 0.0]])), (
+        'scale none: G_k = r_k + gamma r_k+1 + ... minus the mean over the same state (cell '
+        f'(0, 0): 0.9, 0, 0): {step.tolist()}')
     s = 0.27 ** 0.5  # the sample std of 0.9, 0, 0
     assert torch.allclose(grpo.step_advantages(group, 3, 0.9, 'group', eps=0.0)[:, 0],
                           torch.tensor([0.6, -0.3, -0.3]) / s), \
@@ -996,6 +1079,14 @@ def test_ex6_gigpo_groups_turns_by_state_not_by_turn_index():
     assert torch.allclose(step, torch.tensor([[1 / 3, 1 / 3], [-2 / 3, 0.0]])), (
         'a turn is compared with every turn of its group from the same state, whatever its index: '
         f'{step.tolist()}')
+
+
+def test_ex6_gigpo_compares_states_within_a_group_only():
+    group = [gigpo_walk([[0, 0]], [reward]) for reward in (1.0, 0.0, 1.0, 1.0)]
+    step = grpo.step_advantages(group, 2, gamma=1.0, scale='none')
+    assert torch.allclose(step, torch.tensor([[0.5], [-0.5], [0.0], [0.0]])), (
+        'step_advantages: states are compared within their group (group_size consecutive '
+        f"trajectories): the second group's returns from (0, 0) agree, so 0: {step.tolist()}")
 
 
 def test_ex6_gigpo_leaves_errored_trajectories_out():
@@ -1139,7 +1230,36 @@ def check_first_observations(name, rows):
         assert (isinstance(observation, str) and isinstance(system, str)
                 and isinstance(info, dict)), \
             f'{name}.reset must return (observation: str, info: dict, system prompt: str)'
-        json.dumps(info)  # it goes to completions.jsonl
+        try:
+            json.dumps(info)
+        except TypeError as e:
+            pytest.fail(f'{name}.reset: its info goes to completions.jsonl, so it must be '
+                        f'JSON-able: {e}')
+
+
+def check_the_same_game(name, rows):
+    """The same env_config, the same replies: the same answers (the whole game, not only its first
+    observation)."""
+    replies = ['<action>up</action>', '3', 'yes', 'I go left.', '7', '<action>right</action>']
+
+    async def play(env_config):
+        env = envs[name](dict(env_config))
+        observation, _, system = await env.reset(RolloutInferRequest([]))
+        messages = [{'role': 'system', 'content': system}, {'role': 'user', 'content': observation}]
+        answers = []
+        for reply in replies:
+            messages.append({'role': 'assistant', 'content': reply})
+            observation, reward, done, _ = await env.step([dict(m) for m in messages])
+            answers.append((observation, reward, done))
+            if done:
+                break
+            messages.append({'role': 'user', 'content': observation})
+        await env.close()
+        return answers
+    for row in rows[:4]:
+        assert asyncio.run(play(row['env_config'])) == asyncio.run(play(row['env_config'])), (
+            f'{name}: the same env_config and replies gave another game; a group compares its '
+            'members on one game, so draw every random choice from env_config (its seed)')
 
 
 def check_expert_games(name, rows, tokenizer):
@@ -1196,13 +1316,20 @@ def check_a_crash_in_step(name, rows, tokenizer):
         ('the other games end done or at max_turns', [t.stop_reason for t in trajectories])
     assert len(calls['closed']) == len(set(calls['closed'])) == calls['made'] == 16, \
         f"close must run exactly once for each env made: {calls}"
+    for t in trajectories[1:]:
+        try:
+            json.dumps(t.rollout_infos)
+        except TypeError as e:
+            pytest.fail(f'{name}.step: its info goes to completions.jsonl, so it must be '
+                        f'JSON-able: {e}')
 
 
 @pytest.mark.parametrize('plugin, name', conformance_cases())
 def test_ex7_env_conformance(plugin, name, tokenizer, tmp_path):
     """What the scheduler and the trainer rely on, for any env: its expert (or, without one, a
-    scripted policy) plays whole games; the same env_config gives the same first observation; close
-    runs exactly once per trajectory; a crash in step ends only its own trajectory."""
+    scripted policy) plays whole games; the same env_config gives the same game; its infos are
+    JSON-able; close runs exactly once per trajectory; a crash in step ends only its own
+    trajectory."""
     if plugin == 'the README':
         (tmp_path / 'guess.py').write_text(GUESS_PLUGIN)
         plugin = str(tmp_path / 'guess.py')
@@ -1215,6 +1342,7 @@ def test_ex7_env_conformance(plugin, name, tokenizer, tmp_path):
             f'{name}.{method}: must be async def'
     rows = envs[name].eval_rows(8, {}) or [{'env_config': {'seed': s}} for s in range(8)]
     check_first_observations(name, rows)
+    check_the_same_game(name, rows)
     for tool in envs[name].tools:
         assert tool in tools.tools, f'{name}.tools names {tool!r}, which is not in tools.tools'
     check_expert_games(name, rows, tokenizer)

@@ -74,7 +74,11 @@ def rewards_and_advantages(group, names, gamma: float) -> grpo.Scores:
     table("   each turn's share of r: 0.5 x its change of progress + its gym step reward",
           ['walk'] + [f'turn {k + 1}' for k in range(max(len(r) for r in shaped))],
           [(k, *[f'{v:+.3f}' for v in r]) for k, r in zip(names, shaped)])
-    step = grpo.step_advantages(group, 4, gamma=gamma, scale='group', step_rewards=shaped)
+    try:
+        step = grpo.step_advantages(group, 4, gamma=gamma, scale='group', step_rewards=shaped)
+    except NotImplementedError as e:  # a student copy: exercise 6 need not come before the loss
+        print(f'\n   gigpo: {e}: not written yet (worked_step.txt has its table)')
+        return scores
     table(f'   gigpo adds, per turn: its return from these, discounted, against the turns '
           f'from the same cell (gamma {gamma})',
           ['walk'] + [f'turn {k + 1}' for k in range(step.shape[1])],
