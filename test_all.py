@@ -223,6 +223,10 @@ def test_ex1_progress_is_a_share_of_the_manhattan_distance():
     assert frozen_lake.progress_reward(played(EX1_BOARD, 'down')) == pytest.approx(1 / 5), \
         ('progress_reward: (start - end distance) / start distance, distances Manhattan '
          '(|d row| + |d col|): one step down from 5 away leaves 4: 1/5')
+    walled = 'P H G F\nF H F F\nF F F F\nF F F F\n'  # the way round the holes is 6 long
+    assert frozen_lake.progress_reward(played(walled, 'down')) == pytest.approx(-1 / 2), \
+        ('progress_reward: Manhattan distances ignore the holes (not the path around them): '
+         'one step down from 2 away leaves 3: -1/2')
 
 
 def test_ex1_reaching_g_ends_the_walk():
@@ -313,7 +317,8 @@ def test_ex2_group_advantages_catch_the_common_slips():
     expected = torch.tensor([-1.0, 1.0, -1.0, 1.0]) * 0.0005 / (sample + 1e-4)
     assert torch.allclose(grpo.group_advantages(rewards, 4, eps=0.0), expected * (sample + 1e-4)
                           / sample, rtol=1e-4), \
-        'scale group: / the sample std (n - 1), not the population std (n)'
+        ('scale group, eps=0: / the sample std (n - 1), not the population std (n); + the eps '
+         'argument, not a fixed 1e-4')
     assert torch.allclose(grpo.group_advantages(rewards, 4), expected, rtol=1e-4), \
         'scale group: / (the std + 1e-4): with a spread of 0.001 the 1e-4 matters'
     assert torch.allclose(grpo.group_advantages(rewards, 4, scale='batch'), expected, rtol=1e-4), \
@@ -347,7 +352,8 @@ def test_ex2_group_advantages_leave_errored_trajectories_out():
         f'an invalid member (its env raised) gets A = 0, whatever its reward: {adv[2]}'
     s = 0.5 ** 0.5  # group 1's valid members: 1, 0 -> mean 0.5, sample std sqrt(0.5)
     assert torch.allclose(adv[:3], torch.tensor([0.5 / s, -0.5 / s, 0.0])), \
-        'the mean and std of valid members only (1 and 0; not the invalid 5)'
+        ('the mean and std of valid members only (1 and 0; not the invalid 5), + the eps argument '
+         '(here 0)')
     assert torch.equal(adv[3:6], torch.zeros(3)), \
         'a group with one valid member has nothing to compare: A = 0'
     assert torch.allclose(adv[6:], grpo.group_advantages(rewards[6:], 3, eps=0.0)), \
@@ -383,9 +389,6 @@ def test_ex2_advantage_estimators_and_scales_by_hand():
         "--advantage_estimator rloo: --scale_rewards none unless given (ms-swift's rloo scale)"
 
 
-# The tests below check what rests on group_advantages (grpo.score, the run's log, train.collect):
-# they need exercise 2 done, so they carry its ex2_ (test_student_copy_... requires it).
-
 def test_ex2_rloo_centres_on_the_other_valid_members():
     valid = torch.tensor([True, True, True, False])
     a = grpo.group_advantages(torch.tensor([1.0, 0.0, 0.5, 9.0]), 4, valid, estimator='rloo',
@@ -393,6 +396,9 @@ def test_ex2_rloo_centres_on_the_other_valid_members():
     assert torch.allclose(a, torch.tensor([0.75, -0.75, 0.0, 0.0])), \
         f'rloo: r minus the mean of the other *valid* members (not the invalid 9): {a.tolist()}'
 
+
+# The tests below check what rests on group_advantages (grpo.score, the run's log, train.collect):
+# they need exercise 2 done, so they carry its ex2_ (test_student_copy_... requires it).
 
 def test_ex2_errored_trajectories_are_never_trained_on():
     # the errored member still says '<action>up</action>' and would earn the format reward
@@ -567,12 +573,12 @@ def loss(per_token, mask, loss_type='bnpo', denominator=None, trajectory_tokens=
 def test_ex3_aggregate_by_hand():
     values, mask, tokens = torch.tensor([[100.0, 1.0, 2.0]]), torch.tensor([[0, 1, 1]]), \
         torch.tensor([[2.0]])
-    got = grpo.aggregate(values, mask, tokens, 'bnpo', 2.0).item()
-    assert got == pytest.approx(1.5), ('aggregate bnpo: the mask-1 values summed (1 + 2; not the '
-                                       f'masked 100) / the denominator 2 = 1.5, not {got}')
-    got = grpo.aggregate(values, mask, tokens, 'grpo', 1.0).item()
-    assert got == pytest.approx(1.5), ("aggregate grpo: each token / its trajectory's tokens (2), "
-                                       f'summed, / the denominator 1 = 1.5, not {got}')
+    got = grpo.aggregate(values, mask, tokens, 'bnpo', 3.0).item()
+    assert got == pytest.approx(1.0), ('aggregate bnpo: the mask-1 values summed (1 + 2; not the '
+                                       f'masked 100) / the denominator given (3) = 1, not {got}')
+    got = grpo.aggregate(values, mask, tokens, 'grpo', 2.0).item()
+    assert got == pytest.approx(0.75), ("aggregate grpo: each token / its trajectory's tokens "
+                                        f'(2), summed, / the denominator (2) = 0.75, not {got}')
 
 
 def test_ex3_token_loss_by_hand():
@@ -991,9 +997,6 @@ def test_ex5_a_hook_that_rewrites_history_starts_a_new_segment(tokenizer):
     for segment in t.segments:  # each exactly what the chat template makes of its own conversation
         assert tokenizer.decode(segment.token_ids) == tokenizer.apply_chat_template(
             segment.messages, tokenize=False), 'a segment is the chat template of its own messages'
-        assert (segment.messages[:2] == t.request.messages[:2]
-                and len(segment.messages) <= 2 + 2 * 2 + 1 + 2), \
-            'the window keeps the system prompt, the first observation and the last 2 turns'
     sampled = [(k, i) for s in t.segments
                for i, m, k in zip(s.token_ids, s.loss_mask, s.turns) if m]
     reply = len(tokenizer.encode('<action>left</action>', add_special_tokens=False)) + 1
@@ -1225,7 +1228,8 @@ def check_first_observations(name, rows):
     first = [asyncio.run(envs[name](dict(r['env_config'])).reset(RolloutInferRequest([])))
              for r in rows + rows]
     assert [(o, s) for o, _, s in first[:8]] == [(o, s) for o, _, s in first[8:]], \
-        'the same env_config, another game'
+        (f'{name}: the same env_config gave another first observation; a group compares its '
+         'members on one game, so draw every random choice from env_config (its seed)')
     for (observation, info, system), row in zip(first, rows):
         assert (isinstance(observation, str) and isinstance(system, str)
                 and isinstance(info, dict)), \
@@ -1258,8 +1262,9 @@ def check_the_same_game(name, rows):
         return answers
     for row in rows[:4]:
         assert asyncio.run(play(row['env_config'])) == asyncio.run(play(row['env_config'])), (
-            f'{name}: the same env_config and replies gave another game; a group compares its '
-            'members on one game, so draw every random choice from env_config (its seed)')
+            f'{name}: the same env_config and replies gave another game; draw every random '
+            'choice from a generator seeded by env_config (a group compares its members on one '
+            'game, and a run must be reproducible)')
 
 
 def check_expert_games(name, rows, tokenizer):
@@ -1287,8 +1292,8 @@ def check_expert_games(name, rows, tokenizer):
 
 
 def check_a_crash_in_step(name, rows, tokenizer):
-    """A crash in step (the first env made crashes) ends only its own trajectory, and close runs
-    exactly once for each env made."""
+    """A crash in step (the first env made crashes) ends only its own trajectory, close runs
+    exactly once for each env made, and the other games' infos are JSON-able."""
     calls = {'made': 0, 'closed': []}
 
     class Checked(envs[name]):
@@ -2645,8 +2650,8 @@ def test_worked_step_prints_each_formula():
     run = subprocess.run([sys.executable, 'worked_step.py'], cwd=HERE, capture_output=True,
                          text=True, timeout=120)
     printed = run.stdout
-    # a student copy: it has them
-    if run.returncode and 'The reference tables: worked_step.txt' in run.stderr:
+    # a student copy, a part not written yet: it ships the reference tables
+    if 'not written yet' in run.stdout + run.stderr:
         printed = open(os.path.join(HERE, 'worked_step.txt')).read()
     else:
         assert run.returncode == 0, run.stderr
