@@ -101,8 +101,8 @@ def one_pass(model, batches, old, ref, is_weights, denominator: float, args: Arg
 def token_logprobs(model, batch: batching.MicroBatch, temperature: float = 1.0, chunk: int = 256):
     """(logprobs, entropies), both (b, T), 0 where loss_mask is 0: each sampled token's
     log-probability under softmax(logits / temperature), and that distribution's entropy at its
-    position (TRL's `entropy`, without gradient). Logits only at sampled tokens, `chunk` rows at a
-    time under activation checkpointing: memory chunk x vocab, not batch x length x vocab."""
+    position (TRL's `entropy`, without gradient). The vocabulary is large (49,152), so logits only
+    at sampled tokens, `chunk` rows at a time under activation checkpointing: chunk x vocab."""
     # BEGIN SOLUTION exercise 4: token logprobs
     hidden = model.get_decoder()(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                                  position_ids=batch.position_ids,
