@@ -238,17 +238,19 @@ class GymSession:
     def close(self):
         """OpenEnv calls it from the session's worker thread (its HTTP routes, from the loop
         itself): our env closes on the loop it runs on."""
+        type(self).open -= 1
+        if self.env is None:  # never reset (an HTTP /step, say): nothing to close
+            return
         try:
             on_loop = asyncio.get_running_loop() is self.loop
         except RuntimeError:
             on_loop = False
         if on_loop:
             self.loop.create_task(self._close_env())
-        elif self.loop is not None and self.loop.is_running():
+        elif self.loop.is_running():
             asyncio.run_coroutine_threadsafe(self._close_env(), self.loop).result(30)
         else:
             asyncio.run(self._close_env())
-        type(self).open -= 1
 
 
 def served_app(gym_env: str, max_concurrent_envs: int):

@@ -3623,6 +3623,11 @@ def test_served_sessions_close_however_a_game_ends(tokenizer, monkeypatch):
                         requests_for(served_rows(url, [0]), 6))
         errors = [t.rollout_infos['error'] for t in games if t.stop_reason == 'error']
         assert len(errors) == 2 and all('CAPACITY_REACHED' in e for e in errors), errors
+        # OpenEnv's HTTP /step makes a session with no game: an error, and that session closes too
+        step = urllib.request.Request(url + '/step', data=b'{"action": {"message": "up"}}',
+                                      headers={'Content-Type': 'application/json'})
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(step, timeout=30)
         time.sleep(0.5)
         assert open_sessions(url) == 0, 'sessions left open'
 
