@@ -3550,6 +3550,13 @@ def open_sessions(url):
         return json.loads(answer.read())['open']
 
 
+def http_step(url, message):
+    """OpenEnv's HTTP POST /step (a fresh env per request: no game)."""
+    request = urllib.request.Request(url + '/step', headers={'Content-Type': 'application/json'},
+                                     data=json.dumps({'action': {'message': message}}).encode())
+    return urllib.request.urlopen(request, timeout=30)
+
+
 def served_rows(url, seeds, **env_config):
     return [{'messages': [], 'env_config': {'base_url': url,
                                             'reset_kwargs': {'seed': s, **env_config}}}
@@ -3624,10 +3631,8 @@ def test_served_sessions_close_however_a_game_ends(tokenizer, monkeypatch):
         errors = [t.rollout_infos['error'] for t in games if t.stop_reason == 'error']
         assert len(errors) == 2 and all('CAPACITY_REACHED' in e for e in errors), errors
         # OpenEnv's HTTP /step makes a session with no game: an error, and that session closes too
-        step = urllib.request.Request(url + '/step', data=b'{"action": {"message": "up"}}',
-                                      headers={'Content-Type': 'application/json'})
         with pytest.raises(urllib.error.HTTPError):
-            urllib.request.urlopen(step, timeout=30)
+            http_step(url, 'up')
         time.sleep(0.5)
         assert open_sessions(url) == 0, 'sessions left open'
 
