@@ -109,10 +109,11 @@ def detour_rows(n: int, env_config: dict, taken=(), first_seed: int = 1000, late
     or, `later`, whose expert path needs one after its first move; none of the seeds `taken`."""
     seeds, seed = [], first_seed
     while len(seeds) < n:
-        grid = generate_random_map(seed=seed)
-        cells = expert_path(grid)[1:] if later else [find(grid, 'S')]
-        if seed not in taken and any(needs_detour(grid, cell) for cell in cells):
-            seeds.append(seed)
+        if seed not in taken:  # (a map and its expert path only for seeds still free)
+            grid = generate_random_map(seed=seed)
+            cells = expert_path(grid)[1:] if later else [find(grid, 'S')]
+            if any(needs_detour(grid, cell) for cell in cells):
+                seeds.append(seed)
         seed += 1
     return dataset_rows(seeds, env_config)
 

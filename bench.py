@@ -132,7 +132,8 @@ if cli.part == 'openenv':  # the server in its own venv
                              for s in range(cli.rows))
             # one reply a game: the same work both ways; --reward_funcs, none: the env's alone
             _, seconds = run_train(name, ['--dataset', rows, '--max_steps', '2', '--max_turns', '1',
-                                      '--save_only_model', 'true', *flags, '--reward_funcs'])
+                                      '--save_only_model', 'true', *flags, '--reward_funcs'],
+                                   'bench-openenv-')
             print(f'2 training steps, {name}: {seconds:.0f} s, start-up included')
     finally:
         server.kill()

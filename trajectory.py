@@ -133,10 +133,11 @@ class TokenRecord:
         when the hook rewrote history, its newest message."""
         after, n = t.request.messages, len(before)
         if after[:n] == before:
-            t.messages += deepcopy(after[n:])
+            new = after[n:]
         elif (after[:n - 1] == before[:-1] and after[n - 1:n]
               and after[n - 1]['role'] == 'assistant'):
             t.messages[-1] = deepcopy(after[n - 1])  # the continued reply
-            t.messages += deepcopy(after[n:])
+            new = after[n:]
         else:
-            t.messages += deepcopy(after[-1:])
+            new = after[-1:]
+        t.messages += deepcopy(new)
